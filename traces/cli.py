@@ -1,5 +1,73 @@
-"""Provider of ``feather`` subcommands (see feather_gym/cli.py). Not yet implemented."""
+"""``feather trace``: workload statistics and generation (provider of feather_gym/cli.py).
+
+* ``feather trace stats SPEC [--block-size N] [--seed S] [--skip-bad] [--json]``: the
+  statistics of :func:`traces.stats.trace_stats` for a trace file, a shared trace name or a
+  generator spec (see :mod:`traces.workload`), plus load and statistics times.
+* ``feather trace gen KIND [--seed S] [--num-requests N] [--param key=value ...] -o FILE``:
+  write a generated workload as native JSONL.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
 
 
 def register(commands) -> None:
-    """Add this package's subcommands to the ``feather`` command tree."""
+    """Add ``feather trace stats|gen`` to the ``feather`` command tree."""
+    from traces.generators import GENERATOR_KINDS
+
+    trace = commands.group("trace", help="workload traces: statistics and generation")
+    stats = trace.add_parser("stats", help="statistics of a trace file, shared trace or generator spec")
+    stats.add_argument("spec", metavar="FILE_OR_GENERATOR",
+                       help="trace file, shared trace (mooncake, azure-conv) or KIND[:key=value,...]")
+    stats.add_argument("--block-size", type=int, default=512, help="prefix block size in tokens (default 512)")
+    stats.add_argument("--seed", type=int, default=0, help="generator seed (default 0)")
+    stats.add_argument("--skip-bad", action="store_true", help="skip bad lines of a trace file and count them")
+    stats.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    stats.set_defaults(func=stats_command)
+
+    gen = trace.add_parser("gen", help="write a generated workload as native JSONL")
+    gen.add_argument("kind", choices=GENERATOR_KINDS)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--num-requests", type=int, help="number of requests (default: the generator's)")
+    gen.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
+                     help="a generator parameter (repeatable)")
+    gen.add_argument("-o", "--output", required=True, metavar="FILE")
+    gen.set_defaults(func=gen_command)
+
+
+def stats_command(args) -> int:
+    from traces.stats import trace_stats
+    from traces.workload import resolve_workload
+
+    start = time.perf_counter()
+    trace = resolve_workload(args.spec, seed=args.seed, skip_bad=args.skip_bad)
+    loaded = time.perf_counter()
+    stats = trace_stats(trace, block_size=args.block_size)
+    stats["load_s"] = round(loaded - start, 4)
+    stats["stats_s"] = round(time.perf_counter() - loaded, 4)
+    if trace.skipped_lines:
+        print(f"feather: skipped {trace.skipped_lines} bad line(s) of {args.spec}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(stats))
+    else:
+        width = max(map(len, stats))
+        for key, value in stats.items():
+            print(f"{key:<{width}}  {value}")
+    return 0
+
+
+def gen_command(args) -> int:
+    from traces.generators import make_generator
+    from traces.io import write_trace
+    from traces.workload import parse_params
+
+    params = parse_params(args.kind, ",".join(args.param))
+    if args.num_requests is not None:
+        params["num_requests"] = args.num_requests
+    trace = make_generator(args.kind, **params).generate(args.seed)
+    write_trace(trace, args.output)
+    print(f"wrote {len(trace)} requests of {trace.source} to {args.output}")
+    return 0

@@ -105,12 +105,15 @@ class Trace:
 
     Invariant: requests are sorted by ``arrival_s`` (non-decreasing) and ids are unique.
     ``block_size`` is the block size of block-id prompts (``None`` for token-id traces).
+    ``skipped_lines`` counts the bad input lines a loader skipped (``load_trace(skip_bad=True)``);
+    it is 0 for generated traces and for strict loads.
     """
 
     name: str
     requests: list[Request]
     source: str = ""
     block_size: int | None = None
+    skipped_lines: int = 0
 
     def __post_init__(self) -> None:
         arrivals = np.fromiter((r.arrival_s for r in self.requests), dtype=np.float64, count=len(self.requests))
