@@ -1,5 +1,133 @@
-"""Provider of ``feather`` subcommands (see feather_gym/cli.py). Not yet implemented."""
+"""``feather profile run|fit|analytic``: profile decode steps, fit and check cost models."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from .homogeneity import PAPER_SPEEDUP_BAND
+
+
+def _run(args) -> int:
+    from .profile_io import save_profile
+
+    def progress(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    if args.backend == "torch":
+        from .profiler_torch import run_torch_profile
+
+        profile = run_torch_profile(args.model, args.device, quick=args.quick, profiled_layers=args.layers,
+                                    repeats=args.repeats, name=args.name, progress=progress, threads=args.threads)
+    else:
+        from .profiler_vllm import run_vllm_profile
+
+        profile = run_vllm_profile(args.model, args.device, quick=args.quick, repeats=args.repeats,
+                                   name=args.name, progress=progress)
+    save_profile(profile, args.output)
+    print(f"wrote {len(profile['measurements'])} measurements to {args.output}")
+    return 0
+
+
+#: (batch size, groups, prefix tokens, own tokens) of the homogeneity comparison on small models.
+CPU_HOMOGENEITY = (32, 8, 8192, 256)
+
+
+def fit_report(profile: dict) -> dict:
+    """Held-out error, fitted coefficients and the homogeneity comparison for each attention variant."""
+    from .fit import cross_validate
+    from .homogeneity import homogeneity_comparison, measured_comparison, paper_check
+    from .model import cost_model_from_profile
+
+    report = {"profile": profile["name"], "kind": profile["kind"], "backend": profile["backend"],
+              "model": profile["model"]["name"], "hardware": profile["hardware"]["name"], "variants": {}}
+    variants = [v for v in ("per_request", "cascade")
+                if profile["kind"] == "analytic" or any(r.get("attention") == v for r in profile["measurements"])]
+    for variant in variants:
+        model = cost_model_from_profile(profile, cascade=variant == "cascade")
+        entry = {"coefficients": model.describe()}
+        if profile["kind"] == "measured":
+            entry["held_out"] = cross_validate(profile, cascade=variant == "cascade")
+        if profile["model"]["name"] == "llama3-8b":
+            entry["homogeneity"] = paper_check(model)
+        else:  # the points the CPU grids always measure (profiler_torch.HOMOGENEITY_POINTS)
+            entry["homogeneity"] = homogeneity_comparison(model, *CPU_HOMOGENEITY)
+            if profile["kind"] == "measured":
+                entry["homogeneity_measured"] = measured_comparison(profile, variant, *CPU_HOMOGENEITY)
+        report["variants"][variant] = entry
+    return report
+
+
+def _fit(args) -> int:
+    from .model import profile_path
+    from .profile_io import load_profile
+
+    report = fit_report(load_profile(profile_path(args.profile)))
+    for variant, entry in report["variants"].items():
+        print(f"[{report['profile']} / {variant}] {report['model']} on {report['hardware']} ({report['kind']})")
+        c = entry["coefficients"]
+        print(f"  fixed {c['fixed_ms']:.2f} ms (weights at >= {_rate(c['weight_bytes_s_lower_bound'], 'B/s')}), "
+              f"per sequence {c['per_sequence_us']:.1f} us, per prefix pass {c['prefix_pass_us']:.1f} us, KV DRAM {_rate(c['kv_dram_bytes_s'], 'B/s')}, KV hit "
+              f"{_rate(c['kv_hit_bytes_s'], 'B/s')}, attention {_rate(c['attn_flops_s'], 'FLOP/s')}, "
+              f"effective cache {c['cache_bytes_effective'] / 2**20:.1f} MiB, KV capacity {c['kv_capacity_tokens']} tokens")
+        if "held_out" in entry:
+            h = entry["held_out"]
+            print(f"  held-out ({h['folds']}-fold, {h['rows']} rows): MAPE {h['mape']:.1%}, worst {h['max_ape']:.1%}")
+        _print_comparison("predicted", entry["homogeneity"])
+        if entry.get("homogeneity_measured"):
+            _print_comparison("measured", entry["homogeneity_measured"])
+    if args.json:
+        print(json.dumps(report))
+    return 0
+
+
+def _print_comparison(label: str, g: dict) -> None:
+    print(f"  {label}: B={g['batch_size']} over {g['groups']} groups of {g['prefix_tokens']}-token prefixes: mixed step "
+          f"{g['mixed_step_s'] * 1e3:.1f} ms; {g['groups']} homogeneous steps {g['homogeneous_steps_total_s'] * 1e3:.1f} ms "
+          f"(x{g['speedup_split_homogeneous']:.2f}); one homogeneous step of B={g['batch_size']} "
+          f"{g['homogeneous_same_size_step_s'] * 1e3:.1f} ms (x{g['speedup_same_size_homogeneous']:.2f})")
+    if "within_paper_band" in g:
+        print(f"  paper point: ~x{g['paper_speedup']} on {g['paper_hardware']}; this profile gives "
+              f"x{g['speedup_split_homogeneous']:.2f} ({'within' if g['within_paper_band'] else 'outside'} the band "
+              f"{PAPER_SPEEDUP_BAND[0]}-{PAPER_SPEEDUP_BAND[1]}; only the {g['paper_hardware']} profile should match)")
+
+
+def _rate(value, unit: str) -> str:
+    return "inf" if value is None else f"{value:.3g} {unit}"
+
+
+def _analytic(args) -> int:
+    from .analytic import analytic_profile
+    from .profile_io import save_profile
+
+    save_profile(analytic_profile(args.gpu, args.model), args.output)
+    print(f"wrote analytic profile {args.gpu} ({args.model}) to {args.output}")
+    return 0
 
 
 def register(commands) -> None:
-    """Add this package's subcommands to the ``feather`` command tree."""
+    """Add ``feather profile run|fit|analytic``."""
+    from .shapes import MODEL_PRESETS
+
+    profile = commands.group("profile", help="profile decode steps and fit step-time cost models")
+    run = profile.add_parser("run", help="measure decode/prefill step times over a grid of batch compositions")
+    run.add_argument("--backend", choices=("torch", "vllm"), default="torch")
+    run.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    run.add_argument("--model", choices=tuple(MODEL_PRESETS), default="smollm2-135m")
+    run.add_argument("--quick", action="store_true", help="small grid, 5 repeats (< 3 min on a 2-core CPU)")
+    run.add_argument("--layers", type=int, default=None,
+                     help="layers to run (torch; default: 4 on CPU, all on CUDA); times are scaled to the model")
+    run.add_argument("--repeats", type=int, default=None, help="timed repetitions per point (default 5 quick, 7 full)")
+    run.add_argument("--threads", type=int, default=1, help="torch intra-op threads (torch backend; default 1)")
+    run.add_argument("--name", default=None, help="profile name (default: the device)")
+    run.add_argument("-o", "--output", required=True, help="profile JSON file to write")
+    run.set_defaults(func=_run)
+    fit = profile.add_parser("fit", help="fit a cost model to a profile; print held-out error and homogeneity check")
+    fit.add_argument("profile", help="profile file or shipped name")
+    fit.add_argument("--json", action="store_true", help="print the report as one JSON object on the last line")
+    fit.set_defaults(func=_fit)
+    analytic = profile.add_parser("analytic", help="write an analytic GPU profile from public specs")
+    analytic.add_argument("--gpu", required=True, help="h100, h200, a100, rtx6000-ada")
+    analytic.add_argument("--model", choices=tuple(MODEL_PRESETS), default="llama3-8b")
+    analytic.add_argument("-o", "--output", required=True)
+    analytic.set_defaults(func=_analytic)

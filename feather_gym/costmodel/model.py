@@ -1,0 +1,126 @@
+"""The cost model the simulator asks for step times, and how to load one.
+
+``step_s = sum(coefficient x feature)`` over :data:`features.COLUMNS`: a fixed cost per
+step (overhead + weight read), per-sequence work, per shared-prefix attention pass, KV bytes from DRAM, KV
+bytes that hit the cache, attention FLOPs, prefill tokens and prefill attention FLOPs.
+A measured profile is fitted when loaded (milliseconds); an analytic one carries its
+coefficients.
+
+``kv_capacity_tokens = kv_cache_bytes // model_shape.kv_bytes_per_token``: the profile's
+KV-cache budget (see :mod:`analytic` for GPUs; the CPU profile records the KV space of
+the vLLM CPU backend, 4 GiB) divided by the KV bytes of one token over all layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Mapping
+
+from .features import COLUMNS, DecodeBatch, step_features
+from .fit import fit_rows, measurement_rows
+from .profile_io import load_profile
+from .shapes import ModelShape
+
+PROFILE_DIR = Path(__file__).parent / "profiles"
+#: Profiles shipped in ``profiles/``: "cpu" measured here, the others analytic.
+SHIPPED_PROFILES = ("cpu", "h100", "h200", "a100", "rtx6000-ada")
+_EMPTY = DecodeBatch(0, 0, 0, 0)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Step-time predictor for one model on one machine, with one attention variant.
+
+    ``coefficients`` maps each of :data:`features.COLUMNS` to seconds per unit (>= 0).
+    ``cache_bytes`` is the effective cache size of the locality term.
+    """
+
+    name: str
+    model_shape: ModelShape
+    cascade: bool
+    coefficients: Mapping[str, float]
+    cache_bytes: float
+    kv_cache_bytes: int
+    kind: str = "measured"
+    _vector: tuple[float, ...] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        missing = set(COLUMNS) - set(self.coefficients)
+        if missing:
+            raise ValueError(f"cost model {self.name!r}: coefficients missing {sorted(missing)}")
+        if any(self.coefficients[c] < 0 for c in COLUMNS):
+            raise ValueError(f"cost model {self.name!r}: coefficients must be non-negative")
+        object.__setattr__(self, "coefficients", MappingProxyType(dict(self.coefficients)))
+        object.__setattr__(self, "_vector", tuple(self.coefficients[c] for c in COLUMNS))
+
+    def step_s(self, batch: DecodeBatch, prefill_new_tokens: int = 0, prefill_cached_tokens: int = 0) -> float:
+        """Seconds of one engine step decoding ``batch`` and prefilling ``prefill_new_tokens``
+        new tokens after ``prefill_cached_tokens`` prefix-cache hits. 0.0 for an empty step. O(1)."""
+        row = step_features(batch, prefill_new_tokens, prefill_cached_tokens, self.model_shape,
+                            self.cache_bytes, self.cascade)
+        return sum(c * x for c, x in zip(self._vector, row))
+
+    def decode_step_s(self, batch: DecodeBatch) -> float:
+        return self.step_s(batch)
+
+    def prefill_s(self, new_tokens: int, cached_tokens: int = 0) -> float:
+        """Seconds of a prefill-only step of ``new_tokens`` after ``cached_tokens`` cached ones."""
+        return self.step_s(_EMPTY, new_tokens, cached_tokens)
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.kv_cache_bytes // self.model_shape.kv_bytes_per_token
+
+    def describe(self) -> dict:
+        """Coefficients in physical units (bandwidths in bytes/s, FLOP rates in FLOP/s)."""
+        c = self.coefficients
+
+        def rate(column: str) -> float | None:
+            return 1.0 / c[column] if c[column] > 0 else None
+
+        return {
+            "name": self.name, "kind": self.kind, "cascade": self.cascade, "model": self.model_shape.name,
+            "fixed_ms": c["fixed"] * 1e3,
+            # the fixed cost includes the weight read: weight bytes / fixed is a lower bound of its bandwidth
+            "weight_bytes_s_lower_bound": self.model_shape.weight_bytes / c["fixed"] if c["fixed"] > 0 else None, "per_sequence_us": c["tokens"] * 1e6, "prefix_pass_us": c["prefix_passes"] * 1e6,
+            "kv_dram_bytes_s": rate("kv_dram_bytes"), "kv_hit_bytes_s": rate("kv_hit_bytes"),
+            "attn_flops_s": rate("attn_flops"), "prefill_token_us": c["prefill_tokens"] * 1e6,
+            "prefill_attn_flops_s": rate("prefill_attn_flops"), "cache_bytes_effective": self.cache_bytes,
+            "kv_capacity_tokens": self.kv_capacity_tokens,
+        }
+
+
+def profile_path(name_or_path: str | Path) -> Path:
+    """A shipped profile's file, or ``name_or_path`` itself if it is a file."""
+    if str(name_or_path) in SHIPPED_PROFILES:
+        return PROFILE_DIR / f"{name_or_path}.json"
+    path = Path(name_or_path)
+    if not path.is_file():
+        raise ValueError(f"no profile {str(name_or_path)!r}: not a file and not one of {', '.join(SHIPPED_PROFILES)}")
+    return path
+
+
+def cost_model_from_profile(profile: dict, *, cascade: bool = False) -> CostModel:
+    """Fit (measured) or read (analytic) the cost model of a validated profile."""
+    shape = ModelShape.from_dict(profile["model"])
+    if profile["kind"] == "analytic":
+        coefficients = profile["coefficients"]["cascade" if cascade else "per_request"]
+        cache_bytes = profile["cache_bytes_effective"]
+    else:
+        rows = measurement_rows(profile, cascade)
+        if not any(row["phase"] == "decode" for row in rows):
+            raise ValueError(f"profile {profile['name']!r} has no {'cascade' if cascade else 'per_request'} decode measurements")
+        coefficients, cache_bytes = fit_rows(rows, shape, profile["hardware"]["cache_bytes"], cascade)
+    return CostModel(profile["name"], shape, cascade, coefficients, cache_bytes,
+                     profile["kv_cache_bytes"], profile["kind"])
+
+
+def load_cost_model(name_or_path: str | Path, *, cascade: bool = False) -> CostModel:
+    """The cost model of a shipped profile name (:data:`SHIPPED_PROFILES`) or a profile file.
+
+    ``cascade`` picks the attention variant: False (default) is per-request paged attention
+    (what vLLM runs for batches without one common prefix), True is cascade attention.
+    """
+    return cost_model_from_profile(load_profile(profile_path(name_or_path)), cascade=cascade)
