@@ -1,5 +1,134 @@
-"""Provider of ``feather`` subcommands (see feather_gym/cli.py). Not yet implemented."""
+"""``feather sim compare`` (policies side by side on one trace) and ``feather bench env``."""
+
+from __future__ import annotations
+
+import json
+import time
+
+DEFAULT_POLICIES = "fcfs,lpm,dfs,feather-rule,oracle"
 
 
 def register(commands) -> None:
-    """Add this package's subcommands to the ``feather`` command tree."""
+    """Add ``sim compare`` and ``bench env`` to the ``feather`` command tree."""
+    sim = commands.group("sim", help="serving simulator")
+    compare = sim.add_parser("compare", help="run one trace under several scheduling policies, side by side")
+    compare.add_argument("--workload", required=True,
+                         help="trace file, shared trace name (mooncake, azure-conv) or KIND[:key=value,...]")
+    compare.add_argument("--profile", default="cpu", help="cost-model profile name or file (default cpu)")
+    compare.add_argument("--policies", default=DEFAULT_POLICIES,
+                         help=f"comma-separated policy names or *.onnx files (default {DEFAULT_POLICIES})")
+    compare.add_argument("--seed", type=int, default=0, help="seed of generated workloads")
+    compare.add_argument("--max-requests", type=int, default=None,
+                         help="simulate only the first N requests of the trace (a truncated window)")
+    compare.add_argument("--plot", metavar="FILE", help="write a bar chart (PNG) of throughput and TTFT")
+    compare.add_argument("--json", action="store_true", help="one JSON object on the last line")
+    compare.set_defaults(func=_compare)
+
+    bench = commands.group("bench", help="benchmarks")
+    env = bench.add_parser("env", help="steps per second of the Feather gym env (one core)")
+    env.add_argument("--workload", default="prefix-groups", help="workload spec of the episodes")
+    env.add_argument("--profile", default="cpu")
+    env.add_argument("--steps", type=int, default=20_000, help="steps per measured pass")
+    env.add_argument("--json", action="store_true")
+    env.set_defaults(func=_bench_env)
+
+
+def compare_policies(trace, cost_model, policy_names: list[str]) -> dict[str, dict]:
+    """Metrics of each policy on ``trace`` (see ``SimResult.metrics``) plus ``ratio_to_fcfs``
+    (throughput over FCFS's; FCFS is run as well when not listed). Runs share one hashing."""
+    from feather_gym.policies import make_policy
+    from feather_gym.simulator import EngineConfig, simulate, trace_digests
+
+    digests = trace_digests(trace, EngineConfig.block_size)
+    results = {}
+    for name in dict.fromkeys(["fcfs", *policy_names]):
+        start = time.perf_counter()
+        results[name] = simulate(trace, cost_model, make_policy(name), digests=digests).metrics()
+        results[name]["wall_s"] = time.perf_counter() - start
+    fcfs = results["fcfs"]["throughput_tok_s"]
+    for metrics in results.values():
+        metrics["ratio_to_fcfs"] = metrics["throughput_tok_s"] / fcfs
+    return {name: results[name] for name in policy_names}
+
+
+def _compare(args) -> int:
+    import traces
+    from feather_gym.costmodel import load_cost_model
+
+    names = [n.strip() for n in args.policies.split(",") if n.strip()]
+    if not names:
+        raise ValueError("--policies: give at least one policy")
+    trace = traces.resolve_workload(args.workload, seed=args.seed)
+    if args.max_requests is not None:
+        if args.max_requests < 1:
+            raise ValueError("--max-requests must be >= 1")
+        trace = traces.Trace(trace.name, trace.requests[:args.max_requests], trace.source, trace.block_size)
+    cost_model = load_cost_model(args.profile)
+    results = compare_policies(trace, cost_model, names)
+    header = (f"{'policy':<16}{'tok/s':>10}{'x FCFS':>8}{'TTFT mean s':>13}{'TTFT p99 s':>12}"
+              f"{'TPOT ms':>9}{'max wait s':>12}{'preempt':>9}")
+    print(f"workload {args.workload} ({len(trace)} requests), profile {cost_model.name}")
+    print(header)
+    for name, m in results.items():
+        print(f"{name[-16:]:<16}{m['throughput_tok_s']:>10.1f}{m['ratio_to_fcfs']:>8.2f}{m['ttft_mean_s']:>13.3f}"
+              f"{m['ttft_p99_s']:>12.3f}{m['tpot_mean_ms']:>9.2f}{m['longest_wait_s']:>12.3f}{m['preemptions']:>9d}")
+    if args.plot:
+        _plot(results, args.plot, title=f"{args.workload} on {cost_model.name}")
+        print(f"wrote {args.plot}")
+    if args.json:
+        print(json.dumps({"workload": args.workload, "profile": cost_model.name, "requests": len(trace),
+                          "policies": results}))
+    return 0
+
+
+def _plot(results: dict[str, dict], path: str, *, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(results)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(2 + 1.6 * len(names), 4))
+    left.bar(names, [results[n]["throughput_tok_s"] for n in names], color="tab:blue")
+    left.set_ylabel("throughput (output tokens/s)")
+    right.bar(names, [results[n]["ttft_mean_s"] for n in names], color="tab:orange")
+    right.set_ylabel("mean TTFT (s)")
+    for axis in (left, right):
+        axis.tick_params(axis="x", rotation=30)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _bench_env(args) -> int:
+    import gymnasium as gym
+    import numpy as np
+
+    from feather_gym.envs import ENV_ID
+
+    env = gym.make(ENV_ID, workloads=[args.workload], profile=args.profile, seed=0)
+    rng = np.random.default_rng(0)
+
+    def run(steps: int) -> tuple[float, float, int]:
+        """(steps per wall second, steps per CPU second of this process, episodes)."""
+        env.reset(seed=0)
+        episodes, wall, cpu = 0, time.perf_counter(), time.process_time()
+        for _ in range(steps):
+            _, _, terminated, _, _ = env.step(int(rng.random() < 0.8))
+            if terminated:
+                episodes += 1
+                env.reset()
+        return steps / (time.perf_counter() - wall), steps / (time.process_time() - cpu), episodes
+
+    cold, cold_cpu, episodes = run(args.steps)   # builds every window and its FCFS baseline on first use
+    warm, warm_cpu, _ = run(args.steps)          # the same episodes again: the steady state of training
+    print(f"env {ENV_ID} on {args.workload} ({args.profile}), {episodes} episodes in {args.steps} steps:")
+    print(f"  first pass (window building included): {cold:,.0f} steps/s wall, {cold_cpu:,.0f} per CPU second")
+    print(f"  warm (training steady state):          {warm:,.0f} steps/s wall, {warm_cpu:,.0f} per CPU second")
+    if args.json:
+        print(json.dumps({"env_id": ENV_ID, "workload": args.workload, "profile": args.profile,
+                          "steps": args.steps, "episodes": episodes, "steps_per_s_cold": cold,
+                          "steps_per_s_warm": warm, "steps_per_cpu_s_cold": cold_cpu,
+                          "steps_per_cpu_s_warm": warm_cpu}))
+    return 0

@@ -1,0 +1,199 @@
+"""The Feather MDP as a Gymnasium environment: ADD or STOP the CHT's candidate."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import gymnasium as gym
+import numpy as np
+
+import traces
+from feather_gym.costmodel import load_cost_model
+from feather_gym.observation import ADD, FEATURE_NAMES, OBS_CLIP
+from feather_gym.orderings import CHTOrder, FCFSOrder
+from feather_gym.simulator import EngineConfig, Simulator, trace_digests
+
+#: Windows start on a grid of ``window_requests // WINDOW_STARTS_PER_WINDOW`` requests, so a
+#: trace of N requests offers about ``4 N / window_requests`` distinct windows, each built once.
+WINDOW_STARTS_PER_WINDOW = 4
+
+DEFAULT_CONFIG = {
+    "workloads": ("prefix-groups",),
+    "profile": "cpu",
+    "seed": 0,
+    "window_requests": 64,
+    "wait_bound_s": 10.0,
+    "wait_penalty": 1.0,
+    "token_budget": EngineConfig.token_budget,
+    "max_num_seqs": EngineConfig.max_num_seqs,
+}
+
+
+class BatchFormationEnv(gym.Env):
+    """Batch formation in a prefix-cached vLLM engine (the Feather MDP).
+
+    ## Description
+    A simulated vLLM v1 engine (:mod:`feather_gym.simulator`, step times from the cost model
+    of ``profile``) serves a window of consecutive requests of a workload. At every admission
+    point of an engine step the Chunked Hash Tree proposes its best waiting request (fewest
+    chunks missing from the running batch) and the agent decides whether it joins the batch.
+    The engine admits into an empty batch without asking, so an episode always progresses.
+
+    ## Action Space
+    ``Discrete(2)``:
+
+    | Num | Action | Effect                                                     |
+    |-----|--------|------------------------------------------------------------|
+    | 0   | STOP   | admit nothing more this engine step; the step runs          |
+    | 1   | ADD    | admit the candidate (its prefill starts this step)          |
+
+    ## Observation Space
+    ``Box(0, OBS_CLIP, (9,), float32)``: the raw features of :mod:`feather_gym.observation`,
+    each divided by its scale and clipped to ``[0, 8]``:
+
+    | Num | Feature                   | Raw meaning (unit)                                   | Scale |
+    |-----|---------------------------|------------------------------------------------------|-------|
+    | 0   | batch_size                | running requests, admitted this step included        | 32    |
+    | 1   | chunk_loss                | shrink of the running common prefix if added (chunks)| 8     |
+    | 2   | same_prefix_waiting       | other waiting requests sharing its prefix            | 32    |
+    | 3   | running_common_prefix     | chunks common to every running request               | 32    |
+    | 4   | candidate_context_tokens  | candidate prompt length (tokens)                     | 8192  |
+    | 5   | candidate_cached_fraction | share of its chunks in the running set               | 1     |
+    | 6   | kv_utilisation            | fraction of KV blocks in use                         | 1     |
+    | 7   | num_waiting               | waiting requests                                     | 128   |
+    | 8   | oldest_wait_s             | wait of the earliest-arrived waiting request (s)     | 10    |
+
+    ## Rewards
+    Per step, in units of the window's mean output length ``L``::
+
+        r = (tokens emitted - b * elapsed_s - wait_penalty * excess_wait_s * b) / L
+
+    ``b`` is the throughput FCFS reaches on the same window (one FCFS simulation per window,
+    cached), and ``excess_wait_s`` is the time admissions waited beyond ``wait_bound_s``.
+    Every request finishes within the episode, so without the wait term the return is
+    ``(T / L) * (1 - makespan / fcfs_makespan)``: positive exactly when the policy beats FCFS,
+    and returns rank policies as their end-to-end throughput on the window does.
+
+    ## Starting State
+    A window of ``window_requests`` consecutive requests of one of ``workloads`` (chosen, with
+    its start on a grid of ``window_requests // 4`` requests, by the seeded ``np_random``;
+    windows and their FCFS baselines are cached), arrival times shifted to start at 0, an empty KV
+    cache; the first observation is the first admission point with a non-empty batch. Windows
+    with no decision at all are redrawn.
+
+    ## Episode End
+    Terminated when every request of the window has finished (the final observation is all
+    zeros). Never truncated: a policy that always STOPs still drains the batch, and an empty
+    batch admits without asking.
+
+    ## Arguments
+    ``gym.make("feather_gym/BatchFormation-v0", **config)`` or ``BatchFormationEnv(env_config)``
+    (RLlib style); keys (defaults in ``DEFAULT_CONFIG``): ``workloads`` (workload specs for
+    ``traces.resolve_workload``), ``profile`` (cost model name or file), ``seed`` (workload
+    generation, and the episode stream unless ``reset(seed=...)``), ``window_requests``,
+    ``wait_bound_s``, ``wait_penalty``, ``token_budget``, ``max_num_seqs``.
+    """
+
+    metadata = {"render_modes": []}
+
+    def __init__(self, env_config: dict | None = None, **kwargs) -> None:
+        config = {**DEFAULT_CONFIG, **dict(env_config or {}), **kwargs}
+        unknown = sorted(set(config) - set(DEFAULT_CONFIG))
+        if unknown:
+            raise ValueError(f"unknown env_config keys {unknown}; valid: {sorted(DEFAULT_CONFIG)}")
+        workloads = [config["workloads"]] if isinstance(config["workloads"], str) else list(config["workloads"])
+        if not workloads:
+            raise ValueError("env_config 'workloads' needs at least one workload spec")
+        if config["window_requests"] < 2:
+            raise ValueError(f"window_requests must be >= 2, got {config['window_requests']}")
+        self.config = config
+        self.engine = EngineConfig(token_budget=config["token_budget"], max_num_seqs=config["max_num_seqs"])
+        self.cost_model = load_cost_model(config["profile"])
+        self.workloads = [traces.resolve_workload(spec, seed=config["seed"]) for spec in workloads]
+        self._digests = [trace_digests(trace, self.engine.block_size) for trace in self.workloads]
+        self._windows: dict[tuple[int, int], tuple] = {}
+        self.observation_space = gym.spaces.Box(0.0, OBS_CLIP, (len(FEATURE_NAMES),), np.float32)
+        self.action_space = gym.spaces.Discrete(2)
+        self._terminal_obs = np.zeros(len(FEATURE_NAMES), dtype=np.float32)
+        self._sim = None
+        self._seeded = False
+
+    # ------------------------------------------------------------------ gym API
+    def reset(self, *, seed: int | None = None, options: dict | None = None):
+        if seed is None and not self._seeded:
+            seed = self.config["seed"]
+        super().reset(seed=seed)
+        self._seeded = True
+        for _ in range(100):
+            point = self._start_episode()
+            if point is not None:
+                self._point = point
+                return point.observation, {"workload": self.workloads[self._episode[0]].name}
+        raise ValueError(f"workloads {[t.name for t in self.workloads]}: 100 windows without one admission decision; "
+                         "raise the arrival rate or window_requests")
+
+    def step(self, action):
+        sim = self._sim
+        if sim is None or self._point is None:
+            raise RuntimeError("step() before reset() or after the episode ended")
+        sim.apply(int(action))
+        self._point = sim.next_admission()
+        reward = self._reward()
+        if self._point is None:
+            return self._terminal_obs, reward, True, False, self._final_info()
+        return self._point.observation, reward, False, False, {}
+
+    # ------------------------------------------------------------------ episode
+    def _start_episode(self):
+        rng = self.np_random
+        w = int(rng.integers(len(self.workloads)))
+        size = min(self.config["window_requests"], len(self.workloads[w]))
+        stride = max(1, size // WINDOW_STARTS_PER_WINDOW)
+        start = stride * int(rng.integers((len(self.workloads[w]) - size) // stride + 1))
+        self._episode = (w, start)
+        window, digests, self._baseline, self._reward_scale = self._window(w, start, size)
+        self._sim = Simulator(window, self.cost_model, CHTOrder(), config=self.engine, digests=digests)
+        self._rewarded = (0, self._sim.now_s, 0)   # tokens, clock, admissions already rewarded
+        return self._sim.next_admission()
+
+    def _window(self, w: int, start: int, size: int):
+        """``(trace, digests, fcfs_rate, mean_output_len)`` of a window, built once and cached.
+
+        The trace is ``size`` requests from ``start`` with arrivals shifted to 0; the FCFS
+        rate (output tokens/s) is one FCFS simulation of it.
+        """
+        key = (w, start)
+        if key not in self._windows:
+            trace = self.workloads[w]
+            requests = trace.requests[start:start + size]
+            t0 = requests[0].arrival_s
+            shifted = [dataclasses.replace(r, arrival_s=r.arrival_s - t0) for r in requests]
+            window = traces.Trace(f"{trace.name}[{start}:{start + size}]", shifted, trace.source, trace.block_size)
+            digests = self._digests[w][start:start + size]
+            fcfs = Simulator(window, self.cost_model, FCFSOrder(), config=self.engine, digests=digests)
+            while fcfs.next_admission() is not None:
+                fcfs.apply(ADD)
+            mean_output = sum(r.output_len for r in shifted) / size
+            self._windows[key] = (window, digests, fcfs.tokens_out / max(fcfs.now_s, 1e-9), mean_output)
+        return self._windows[key]
+
+    def _reward(self) -> float:
+        """Reward of everything since the last one (the first step also covers the reset's run-up)."""
+        sim = self._sim
+        tokens, now, admissions = self._rewarded
+        self._rewarded = (sim.tokens_out, sim.now_s, len(sim.admission_waits))
+        tokens, elapsed_s = sim.tokens_out - tokens, sim.now_s - now
+        bound = self.config["wait_bound_s"]
+        excess = sum(w - bound for w in sim.admission_waits[admissions:] if w > bound)
+        penalty = self.config["wait_penalty"] * excess
+        return float((tokens - self._baseline * (elapsed_s + penalty)) / self._reward_scale)
+
+    def _final_info(self) -> dict:
+        sim = self._sim
+        return {
+            "workload": self.workloads[self._episode[0]].name,
+            "throughput_tok_s": sim.tokens_out / max(sim.now_s, 1e-9),
+            "fcfs_throughput_tok_s": self._baseline,
+            "makespan_s": sim.now_s,
+            "decisions": sim.num_decisions,
+        }

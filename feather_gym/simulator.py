@@ -1,0 +1,576 @@
+"""Discrete-event simulator of a vLLM v1 engine with prefix caching, driven by admission decisions.
+
+One engine step (vLLM v1 ``Scheduler.schedule`` + one forward pass):
+
+1. Requests that arrived by now join the waiting queue (the CHT, and the policy's
+   :class:`~feather_gym.orderings.WaitingOrder`). A request that could never fit the KV cache
+   alone (prompt + output) is rejected, as vLLM rejects prompts over ``max_model_len``.
+2. Running requests are scheduled first: every decoding request takes one token of the
+   budget; a decoding request crossing a block boundary takes a new KV block, and when none
+   is free the most recently admitted running request is preempted by recompute (its blocks
+   are freed, its generated tokens kept, and it goes back to the front of the queue). Partly
+   prefilled requests take chunks of the remaining token budget (chunked prefill).
+3. Admission points (skipped in a step that preempted): while the budget lasts, fewer than
+   ``max_num_seqs`` run, and the ordering's candidate fits the free KV blocks, the policy
+   decides ADD (admit it; its first prefill chunk takes budget) or STOP (end admission for
+   this step). Admitted without asking: preempted requests, which resume first (vLLM
+   prepends them to the queue), and the candidate of an empty batch (the engine never idles
+   while work waits).
+4. The step takes ``CostModel.step_s(decode batch, first prefill chunk)`` plus, for every
+   further prefill chunk, its ``prefill_s`` less the per-step fixed cost (the cost model's
+   prefill terms are per request). Every decoding request emits a token; a request whose prefill completes emits its
+   first token; a request that has emitted ``output_len`` tokens finishes and frees its blocks.
+
+KV accounting (:class:`~feather_gym.kv_cache.PrefixKVCache`): a KV block is one CHT chunk, so
+one digest chain per request serves both the CHT and the prefix cache. Admission reserves the
+request's whole current prompt plus its next token (hits on resident blocks are shared and
+count once; vLLM reserves per chunk, a small simplification that avoids mid-prefill preemption);
+decode adds a block every ``block_size`` tokens.
+
+Decoding requests are not touched per step: a request decoding since step ``s0`` with ``o0``
+tokens has emitted ``o0 + (k - s0)`` before step ``k``, and its finish and block-boundary
+steps sit in heaps, so an engine step costs O(events + prefill chunks) plus one cost-model call,
+and a run of decode-only steps with nothing to decide is jumped over in one go (``_fast_forward``).
+
+Invariants (tested): every accepted request finishes exactly once with exactly ``output_len``
+tokens; ``kv.used_blocks <= capacity`` always; the clock never goes back; every prompt token is
+either a cache hit or prefilled.
+
+Control: :meth:`Simulator.next_admission` runs the engine until a decision is needed and
+returns an :class:`AdmissionPoint` (``None`` once every request has finished);
+:meth:`Simulator.apply` takes the decision. :func:`simulate` does this with a policy.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from cache_core.chunk_hash import DEFAULT_CHUNK_SIZE, request_chunk_hashes
+from cache_core.cht import ChunkedHashTree
+from feather_gym.costmodel import CostModel, DecodeBatch
+from feather_gym.kv_cache import PrefixKVCache
+from feather_gym.observation import ADD, build_observation
+from feather_gym.orderings import WaitingOrder
+from traces import Trace
+
+_PENDING, _WAITING, _RUNNING, _FINISHED, _REJECTED = range(5)
+_NO_DECODE = DecodeBatch(0, 0, 0, 0)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """vLLM engine limits. ``kv_capacity_tokens=None`` takes the cost model's."""
+
+    token_budget: int = 8192          #: max_num_batched_tokens per step
+    max_num_seqs: int = 256           #: running requests at most
+    block_size: int = DEFAULT_CHUNK_SIZE  #: tokens per KV block = per CHT chunk
+    kv_capacity_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if min(self.token_budget, self.max_num_seqs, self.block_size) < 1:
+            raise ValueError(f"{self}: token_budget, max_num_seqs and block_size must be >= 1")
+        if self.max_num_seqs > self.token_budget:
+            raise ValueError(f"{self}: max_num_seqs must not exceed token_budget (every decode takes a token)")
+
+
+def trace_digests(trace: Trace, block_size: int) -> list[np.ndarray]:
+    """Chained digests of every request's full blocks (the CHT's and the prefix cache's ids)."""
+    return [request_chunk_hashes(r, block_size) for r in trace.requests]
+
+
+class AdmissionPoint:
+    """One ADD/STOP decision: the candidate the ordering proposes, in the simulator's state.
+
+    ``stats`` (CHT :class:`CandidateStats`) and ``observation`` (normalised features, see
+    :mod:`feather_gym.observation`) are computed on first access only.
+    """
+
+    __slots__ = ("sim", "candidate", "batch_size", "_stats", "_observation")
+
+    def __init__(self, sim: "Simulator", candidate: int) -> None:
+        self.sim = sim
+        self.candidate = candidate
+        self.batch_size = len(sim.running)
+        self._stats = None
+        self._observation = None
+
+    @property
+    def request(self):
+        return self.sim.trace.requests[self.candidate]
+
+    @property
+    def stats(self):
+        if self._stats is None:
+            self._stats = self.sim.cht.candidate_stats(self.candidate)
+        return self._stats
+
+    @property
+    def observation(self) -> np.ndarray:
+        if self._observation is None:
+            self._observation = self.sim.observe(self.candidate, self.stats)
+        return self._observation
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """Per-request records (seconds; NaN for rejected requests) and engine counters."""
+
+    arrival_s: np.ndarray
+    first_scheduled_s: np.ndarray
+    first_token_s: np.ndarray
+    finish_s: np.ndarray
+    output_len: np.ndarray
+    finished: np.ndarray          #: bool: accepted and finished (all accepted ones, at the end)
+    num_steps: int
+    num_preemptions: int
+    num_decisions: int
+    prefill_tokens: int           #: tokens prefilled (recomputation included)
+    cached_prompt_tokens: int     #: prompt tokens served from the prefix cache
+
+    def metrics(self) -> dict:
+        """Throughput (output tokens / (last finish - first arrival)), TTFT, per-token latency, waits."""
+        done = self.finished
+        if not done.any():
+            raise ValueError("no request finished")
+        out = self.output_len[done]
+        makespan = float(self.finish_s[done].max() - self.arrival_s[done].min())
+        ttft = self.first_token_s[done] - self.arrival_s[done]
+        multi = out > 1
+        tpot = (self.finish_s[done][multi] - self.first_token_s[done][multi]) / (out[multi] - 1)
+        return {
+            "requests": int(done.sum()),
+            "rejected": int((~done).sum()),
+            "output_tokens": int(out.sum()),
+            "makespan_s": makespan,
+            "throughput_tok_s": float(out.sum() / makespan) if makespan > 0 else float("inf"),
+            "ttft_mean_s": float(ttft.mean()),
+            "ttft_p99_s": float(np.percentile(ttft, 99)),
+            "tpot_mean_ms": float(tpot.mean() * 1e3) if len(tpot) else 0.0,
+            "longest_wait_s": float((self.first_scheduled_s[done] - self.arrival_s[done]).max()),
+            "preemptions": self.num_preemptions,
+            "steps": self.num_steps,
+            "decisions": self.num_decisions,
+            "cached_prompt_fraction":
+                self.cached_prompt_tokens / max(1, self.cached_prompt_tokens + self.prefill_tokens),
+        }
+
+
+class Simulator:
+    """A vLLM v1-like engine over ``trace`` (see the module docstring for the step semantics).
+
+    ``order`` proposes candidates; ``digests`` (from :func:`trace_digests` at
+    ``config.block_size``) may be passed to share the hashing across runs of one trace.
+    Public read-only state used by orderings and observations: ``now_s``, ``step``, ``cht``,
+    ``kv``, ``running`` (dict, admission order), ``digest_lists``, ``group_of``; counters
+    ``tokens_out`` and ``admission_waits`` (seconds each admission waited, in order).
+    """
+
+    def __init__(self, trace: Trace, cost_model: CostModel, order: WaitingOrder, *,
+                 config: EngineConfig = EngineConfig(), digests: list[np.ndarray] | None = None) -> None:
+        self.trace, self.cost_model, self.order, self.config = trace, cost_model, order, config
+        bs = self.block_size = config.block_size
+        capacity_tokens = config.kv_capacity_tokens or cost_model.kv_capacity_tokens
+        self.kv = PrefixKVCache(capacity_tokens // bs)
+        self.cht = ChunkedHashTree(bs)
+        requests = trace.requests
+        n = len(requests)
+        self.digests = digests if digests is not None else trace_digests(trace, bs)
+        if len(self.digests) != n:
+            raise ValueError(f"{len(self.digests)} digest chains for {n} requests")
+        self.digest_lists = [d.tolist() for d in self.digests]
+        self.group_of = [r.group if r.group is not None else i for i, r in enumerate(requests)]
+        self._input_len = [r.input_len for r in requests]
+        self._output_len = [r.output_len for r in requests]
+        self._arrivals = [r.arrival_s for r in requests]
+        self._fits_alone = [r.input_len + r.output_len + 1 <= self.kv.capacity_blocks * bs for r in requests]
+
+        nan = np.full(n, np.nan)
+        self.first_scheduled_s, self.first_token_s, self.finish_s = nan.copy(), nan.copy(), nan.copy()
+        self._state = [_PENDING] * n
+        self._emitted = [0] * n           # output tokens emitted so far (kept across preemption)
+        self._anon = [0] * n              # anonymous KV blocks held while running
+        self._epoch = [0] * n             # bumped on preemption: invalidates heap entries
+        self._enqueued_s = [0.0] * n
+        self._decode_from = [(0, 0)] * n  # (step s0, emitted before s0) while decoding
+
+        self.now_s = requests[0].arrival_s if n else 0.0
+        self.step = 0
+        self.running: dict[int, None] = {}
+        self._prefilling: dict[int, int] = {}       # idx -> prompt tokens still to prefill
+        self._resume: list[int] = []                # preempted, waiting to resume (front first)
+        self._computed: dict[int, int] = {}         # idx -> prompt tokens in KV (hits + chunks)
+        self._finish_heap: list[tuple[int, int, int]] = []   # (last step, idx, epoch)
+        self._grow_heap: list[tuple[int, int, int]] = []     # (step needing a block, idx, epoch)
+        self._oldest: list[tuple[float, int, int]] = []      # (arrival_s, idx, epoch), lazy
+        self._next_arrival = 0
+        self._remaining = n
+        # decode-batch aggregates over decoding requests (see _join_decode)
+        self._decode_count = 0
+        self._decode_kv = 0
+        self._decode_hashed = 0
+        self._decode_refs: dict[int, int] = {}
+        self._decode_groups: dict[int, int] = {}
+        self._decode_ungrouped = 0
+        # this step
+        self._budget = 0
+        self._chunks: list[tuple[int, int, int]] = []  # (idx, new tokens, tokens in KV before)
+        self._in_step = False               # between _begin_step and _execute_step
+        self._admitting = False
+        self._preempted_this_step = False
+        self._stopped = False               # the policy said STOP in this step
+        self._pending: tuple[int, int, int] | None = None    # (candidate, hits, total_blocks)
+
+        self.tokens_out = 0
+        self.admission_waits: list[float] = []
+        self.num_preemptions = 0
+        self.num_decisions = 0
+        self.prefill_tokens = 0
+        self.cached_prompt_tokens = 0
+        order.attach(self)
+
+    # ------------------------------------------------------------------ control
+    def next_admission(self) -> AdmissionPoint | None:
+        """Run engine steps until the policy must decide; None when every request has finished."""
+        while True:
+            if self._in_step:
+                point = self._propose() if self._admitting else None
+                if point is not None:
+                    self.num_decisions += 1
+                    return point
+                self._execute_step()
+            if self._remaining == 0:
+                return None
+            self._begin_step()
+
+    def apply(self, action: int) -> None:
+        """ADD (1) admits the pending candidate; STOP (0) ends admission for this step."""
+        if self._pending is None:
+            raise RuntimeError("apply() without a pending admission point")
+        if action == ADD:
+            self._admit(*self._pending)
+        else:
+            self._admitting = False
+            self._stopped = True
+        self._pending = None
+
+    def result(self) -> SimResult:
+        finished = np.array([s == _FINISHED for s in self._state], dtype=bool)
+        return SimResult(np.array(self._arrivals, dtype=np.float64), self.first_scheduled_s, self.first_token_s,
+                         self.finish_s, np.array(self._output_len, dtype=np.int64), finished, self.step,
+                         self.num_preemptions, self.num_decisions, self.prefill_tokens, self.cached_prompt_tokens)
+
+    # ------------------------------------------------------------------ observation
+    @property
+    def oldest_wait_s(self) -> float:
+        """Seconds since the arrival of the earliest-arrived waiting request (0 when none waits)."""
+        heap, state, epoch = self._oldest, self._state, self._epoch
+        while heap and (state[heap[0][1]] != _WAITING or epoch[heap[0][1]] != heap[0][2]):
+            heapq.heappop(heap)
+        return self.now_s - heap[0][0] if heap else 0.0
+
+    def observe(self, idx: int, stats) -> np.ndarray:
+        """The normalised observation of candidate ``idx`` with CHT ``stats``."""
+        kv = self.kv
+        return build_observation(
+            batch_size=len(self.running),
+            chunk_loss=stats.chunk_loss,
+            same_prefix_waiting=stats.same_prefix_waiting,
+            running_common_prefix=self.cht.running_common_prefix,
+            candidate_context_tokens=self._input_len[idx] + self._emitted[idx],
+            candidate_cached_fraction=stats.shared_chunks / stats.num_chunks if stats.num_chunks else 0.0,
+            kv_utilisation=kv.used_blocks / kv.capacity_blocks,
+            num_waiting=self.cht.num_waiting,
+            oldest_wait_s=self.oldest_wait_s,
+        )
+
+    # ------------------------------------------------------------------ step phases
+    def _begin_step(self) -> None:
+        self.step += 1
+        self._in_step = True
+        self._take_arrivals()
+        if not self.running and self.cht.num_waiting == 0:
+            self.now_s = max(self.now_s, self._arrivals[self._next_arrival])
+            self._take_arrivals()
+        self._preempted_this_step = False
+        self._stopped = False
+        self._grow_blocks()
+        budget = self.config.token_budget - self._decode_count
+        chunks = self._chunks = []
+        computed = self._computed
+        for idx, left in self._prefilling.items():
+            if budget <= 0:
+                break
+            take = min(left, budget)
+            chunks.append((idx, take, computed[idx]))
+            budget -= take
+        self._budget = budget
+        self._admitting = budget > 0 and not self._preempted_this_step
+
+    def _take_arrivals(self) -> None:
+        arrivals, n = self._arrivals, len(self._arrivals)
+        while self._next_arrival < n and arrivals[self._next_arrival] <= self.now_s:
+            idx = self._next_arrival
+            self._next_arrival += 1
+            if self._fits_alone[idx]:
+                self._enqueue(idx, preempted=False)
+            else:
+                self._state[idx] = _REJECTED
+                self._remaining -= 1
+
+    def _enqueue(self, idx: int, *, preempted: bool) -> None:
+        self._state[idx] = _WAITING
+        self._enqueued_s[idx] = self.now_s
+        self.cht.add(idx, self.digests[idx])
+        self.order.add(idx, preempted=preempted)
+        heapq.heappush(self._oldest, (self._arrivals[idx], idx, self._epoch[idx]))
+
+    def _propose(self) -> AdmissionPoint | None:
+        """The next admission point of this step. Admitted unasked: preempted requests (first,
+        most recently preempted first, as vLLM prepends them) and any candidate of an empty batch."""
+        config, kv = self.config, self.kv
+        while self._budget > 0 and len(self.running) < config.max_num_seqs:
+            idx = self._resume[0] if self._resume else self.order.peek()
+            if idx is None:
+                break
+            total_blocks = -(-(self._input_len[idx] + self._emitted[idx] + 1) // self.block_size)
+            hits, claim = kv.blocks_to_claim(self.digest_lists[idx], total_blocks)
+            if claim > kv.free_blocks:
+                break
+            if not self.running or self._resume:
+                self._admit(idx, hits, total_blocks)
+                continue
+            self._pending = (idx, hits, total_blocks)
+            return AdmissionPoint(self, idx)
+        self._admitting = False
+        return None
+
+    def _admit(self, idx: int, hits: int, total_blocks: int) -> None:
+        digests = self.digest_lists[idx]
+        self.cht.activate(idx)
+        self.order.remove(idx)
+        if self._resume and self._resume[0] == idx:
+            self._resume.pop(0)
+        self.kv.acquire(digests, hits, total_blocks - len(digests))
+        self._anon[idx] = total_blocks - len(digests)
+        self._state[idx] = _RUNNING
+        self.running[idx] = None
+        self.admission_waits.append(self.now_s - self._enqueued_s[idx])
+        if math.isnan(self.first_scheduled_s[idx]):
+            self.first_scheduled_s[idx] = self.now_s
+        context = self._input_len[idx] + self._emitted[idx]
+        computed = min(hits * self.block_size, context - 1)
+        self._computed[idx] = computed
+        self._prefilling[idx] = context - computed
+        self.cached_prompt_tokens += computed
+        take = min(context - computed, self._budget)
+        self._chunks.append((idx, take, computed))
+        self._budget -= take
+
+    def _execute_step(self) -> None:
+        self._in_step = False
+        chunks = self._chunks
+        batch = (DecodeBatch(self._decode_count, self._decode_kv, self._decode_unique(),
+                             len(self._decode_groups) + self._decode_ungrouped)
+                 if self._decode_count else _NO_DECODE)
+        self.now_s += self._step_time(batch, chunks)
+        self.tokens_out += self._decode_count
+        self._decode_kv += self._decode_count
+        for idx, take, _ in chunks:
+            if not take:
+                continue
+            self._computed[idx] += take
+            left = self._prefilling[idx] - take
+            if left:
+                self._prefilling[idx] = left
+                continue
+            del self._prefilling[idx]
+            self._emit_first(idx)
+        heap, epoch, step = self._finish_heap, self._epoch, self.step
+        while heap and heap[0][0] <= step:
+            _, idx, e = heapq.heappop(heap)
+            if e == epoch[idx] and self._state[idx] == _RUNNING:
+                self._leave_decode(idx, self._output_len[idx])
+                self._finish(idx)
+        if not chunks and not self._stopped and not self._preempted_this_step:
+            self._fast_forward()
+
+    def _fast_forward(self) -> None:
+        """Run the decode-only steps before the next event in one go.
+
+        Called after a step with no prefill in which admission ended by itself (no candidate,
+        ``max_num_seqs``, KV full or no budget): until the next finish, block boundary or
+        arrival nothing can change that, so the following steps only decode a fixed batch
+        whose KV grows by ``B`` tokens a step. Their times come from the cost model: three
+        calls and an arithmetic series when the step time is affine in that growth (checked),
+        one call per step otherwise. Stale heap tops only make the jump shorter.
+        """
+        count = self._decode_count
+        if not count:
+            return
+        next_event = min(h[0][0] for h in (self._finish_heap, self._grow_heap) if h)  # a decoder has a finish
+        steps = next_event - self.step - 1
+        if steps <= 0:
+            return
+        groups = len(self._decode_groups) + self._decode_ungrouped
+        total, unique = self._decode_kv, self._decode_unique()
+        def step_time(i: int) -> float:     # the i-th step from now: every context i tokens longer
+            return self.cost_model.step_s(DecodeBatch(count, total + i * count, unique + i * count, groups))
+
+        probe = [step_time(i) for i in range(min(3, steps))]
+        if steps > 3 and abs(probe[2] - 2 * probe[1] + probe[0]) <= 1e-9 * probe[0]:
+            times = probe[0] + (probe[1] - probe[0]) * np.arange(steps)
+        else:
+            times = np.array(probe + [step_time(i) for i in range(3, steps)])
+        if self._next_arrival < len(self._arrivals):
+            gap = self._arrivals[self._next_arrival] - self.now_s
+            starts = np.concatenate(([0.0], np.cumsum(times[:-1])))
+            steps = int(np.searchsorted(starts, gap, side="left"))
+        if steps <= 0:
+            return
+        self.step += steps
+        self.now_s += float(times[:steps].sum())
+        self.tokens_out += count * steps
+        self._decode_kv += count * steps
+
+    def _step_time(self, batch: DecodeBatch, chunks: list[tuple[int, int, int]]) -> float:
+        """Seconds of this step: the decode batch with the first prefill chunk through
+        ``CostModel.step_s``, plus every further chunk's ``prefill_s`` less the per-step fixed
+        cost. The cost model's prefill terms describe one request (attention over its own
+        cached prefix), so chunks of different requests add up rather than pool. O(chunks).
+        """
+        model = self.cost_model
+        if not chunks:
+            return model.step_s(batch)
+        _, new, cached = chunks[0]
+        seconds = model.step_s(batch, new, cached)
+        fixed = model.coefficients["fixed"]
+        for _, new, cached in chunks[1:]:
+            seconds += model.prefill_s(new, cached) - fixed
+        self.prefill_tokens += sum(c[1] for c in chunks)
+        return seconds
+
+    def _emit_first(self, idx: int) -> None:
+        """Prefill of ``idx`` completed this step: it emits a token, then decodes or finishes."""
+        del self._computed[idx]
+        self._emitted[idx] += 1
+        self.tokens_out += 1
+        if math.isnan(self.first_token_s[idx]):
+            self.first_token_s[idx] = self.now_s
+        if self._emitted[idx] >= self._output_len[idx]:
+            self._finish(idx)
+        else:
+            self._join_decode(idx)
+
+    def _finish(self, idx: int) -> None:
+        self._emitted[idx] = self._output_len[idx]
+        self._release(idx)
+        self._state[idx] = _FINISHED
+        self.finish_s[idx] = self.now_s
+        self._remaining -= 1
+
+    def _release(self, idx: int) -> None:
+        del self.running[idx]
+        self.cht.finish(idx)
+        self.kv.release(self.digest_lists[idx], self._anon[idx])
+        self._anon[idx] = 0
+
+    # ------------------------------------------------------------------ decode bookkeeping
+    def _emitted_at(self, idx: int, step: int) -> int:
+        s0, o0 = self._decode_from[idx]
+        return o0 + (step - s0)
+
+    def _join_decode(self, idx: int) -> None:
+        """``idx`` decodes from the next step on; register its events and aggregates."""
+        s0, o0 = self.step + 1, self._emitted[idx]
+        self._decode_from[idx] = (s0, o0)
+        e = self._epoch[idx]
+        heapq.heappush(self._finish_heap, (s0 + self._output_len[idx] - o0 - 1, idx, e))
+        self._push_grow(idx, s0, o0)
+        digests = self.digest_lists[idx]
+        self._decode_count += 1
+        self._decode_kv += self._input_len[idx] + o0
+        self._decode_hashed += len(digests)
+        refs = self._decode_refs
+        for d in digests:
+            refs[d] = refs.get(d, 0) + 1
+        if digests:
+            self._decode_groups[digests[0]] = self._decode_groups.get(digests[0], 0) + 1
+        else:
+            self._decode_ungrouped += 1
+
+    def _leave_decode(self, idx: int, emitted: int) -> None:
+        """``idx`` stops decoding having emitted ``emitted`` tokens; undo its aggregates."""
+        self._emitted[idx] = emitted
+        digests = self.digest_lists[idx]
+        self._decode_count -= 1
+        self._decode_kv -= self._input_len[idx] + emitted
+        self._decode_hashed -= len(digests)
+        refs = self._decode_refs
+        for d in digests:
+            count = refs[d] - 1
+            if count:
+                refs[d] = count
+            else:
+                del refs[d]
+        if digests:
+            groups, first = self._decode_groups, digests[0]
+            if groups[first] == 1:
+                del groups[first]
+            else:
+                groups[first] -= 1
+        else:
+            self._decode_ungrouped -= 1
+
+    def _decode_unique(self) -> int:
+        """Distinct KV tokens of the decode batch: shared hashed blocks counted once."""
+        return self._decode_kv - (self._decode_hashed - len(self._decode_refs)) * self.block_size
+
+    def _push_grow(self, idx: int, s0: int, o0: int) -> None:
+        """Schedule the step at which decoding ``idx`` outgrows its blocks (if before it finishes)."""
+        held = len(self.digest_lists[idx]) + self._anon[idx]
+        step = s0 + held * self.block_size - self._input_len[idx] - o0
+        if step <= s0 + self._output_len[idx] - o0 - 1:
+            heapq.heappush(self._grow_heap, (max(step, s0), idx, self._epoch[idx]))
+
+    def _grow_blocks(self) -> None:
+        """Give a block to each decoding request at a boundary this step, preempting if KV is full."""
+        heap, epoch, state, step, kv = self._grow_heap, self._epoch, self._state, self.step, self.kv
+        while heap and heap[0][0] <= step:
+            _, idx, e = heapq.heappop(heap)
+            if e != epoch[idx] or state[idx] != _RUNNING:
+                continue
+            while kv.free_blocks < 1 and state[idx] == _RUNNING:
+                self._preempt(next(reversed(self.running)))
+            if state[idx] != _RUNNING:
+                continue
+            kv.grow(1)
+            self._anon[idx] += 1
+            self._push_grow(idx, step, self._emitted_at(idx, step))
+
+    def _preempt(self, idx: int) -> None:
+        """Preempt ``idx`` by recompute: free its KV, keep its tokens, requeue it at the front."""
+        if idx in self._prefilling:
+            del self._prefilling[idx]
+            del self._computed[idx]
+        else:
+            self._leave_decode(idx, self._emitted_at(idx, self.step))
+        self._release(idx)
+        self._epoch[idx] += 1
+        self.num_preemptions += 1
+        self._preempted_this_step = True
+        self._enqueue(idx, preempted=True)
+        self._resume.insert(0, idx)
+
+
+def simulate(trace: Trace, cost_model: CostModel, policy, *, config: EngineConfig = EngineConfig(),
+             digests: list[np.ndarray] | None = None) -> SimResult:
+    """Run ``trace`` to completion under ``policy`` (a :class:`feather_gym.policies.Policy`)."""
+    policy.reset()
+    sim = Simulator(trace, cost_model, policy.make_order(), config=config, digests=digests)
+    while (point := sim.next_admission()) is not None:
+        sim.apply(policy.decide(point))
+    return sim.result()

@@ -1,0 +1,70 @@
+"""The Feather gym env: Gymnasium API, registration, determinism, and what the return means."""
+
+import gymnasium as gym
+import numpy as np
+import pytest
+from gymnasium.utils.env_checker import check_env
+
+from feather_gym.envs import ENV_ID, BatchFormationEnv
+from feather_gym.observation import FEATURE_NAMES
+
+CONFIG = {"workloads": ["prefix-groups:groups=3,num_requests=200,rate=50", "no-sharing:num_requests=200"],
+          "profile": "h200", "seed": 0, "window_requests": 24}
+
+
+@pytest.fixture(scope="module")
+def env():
+    return BatchFormationEnv(CONFIG)
+
+
+def test_check_env_passes(env):
+    check_env(env, skip_render_check=True)
+
+
+def test_registered_and_built_with_keyword_config():
+    made = gym.make(ENV_ID, **CONFIG)
+    obs, info = made.reset(seed=1)
+    assert made.observation_space.contains(obs)
+    assert made.action_space == gym.spaces.Discrete(2)
+    assert made.observation_space.shape == (len(FEATURE_NAMES),)
+
+
+def test_unknown_config_key_is_an_error():
+    with pytest.raises(ValueError, match="window_request"):
+        BatchFormationEnv({**CONFIG, "window_request": 3})
+
+
+def rollout(env, seed, action_of):
+    obs, _ = env.reset(seed=seed)
+    trajectory, total = [obs], 0.0
+    while True:
+        obs, reward, terminated, truncated, info = env.step(action_of(obs))
+        assert np.isfinite(reward) and not truncated
+        trajectory.append(obs)
+        total += reward
+        if terminated:
+            return np.array(trajectory), total, info
+
+
+def test_episodes_are_deterministic_under_a_seed(env):
+    first = rollout(env, 7, lambda obs: int(obs[1] < 0.5))
+    second = rollout(env, 7, lambda obs: int(obs[1] < 0.5))
+    np.testing.assert_array_equal(first[0], second[0])
+    assert first[1] == second[1]
+
+
+def test_always_stop_still_terminates(env):
+    trajectory, _, info = rollout(env, 3, lambda obs: 0)
+    assert info["decisions"] == len(trajectory) - 1
+
+
+def test_return_is_throughput_relative_to_fcfs():
+    """Without the wait term the return is (T - b * makespan) / L: positive iff faster than FCFS."""
+    env = BatchFormationEnv({**CONFIG, "wait_penalty": 0.0})
+    for seed, policy in ((0, lambda obs: 1), (1, lambda obs: int(obs[0] < 0.1))):
+        _, total, info = rollout(env, seed, policy)
+        window = env._sim.trace
+        tokens = sum(r.output_len for r in window)
+        expected = (tokens - info["fcfs_throughput_tok_s"] * info["makespan_s"]) / (tokens / len(window))
+        assert total == pytest.approx(expected, rel=1e-6, abs=1e-6)
+        assert (total > 1e-9) == (info["throughput_tok_s"] > info["fcfs_throughput_tok_s"] * (1 + 1e-9))

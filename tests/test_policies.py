@@ -1,0 +1,163 @@
+"""Each baseline's defining behaviour, on tiny hand-made traces."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from cache_core.cht import CandidateStats
+from feather_gym.costmodel import load_cost_model
+from feather_gym.observation import ADD, STOP
+from feather_gym.orderings import LPMOrder
+from feather_gym.policies import AlwaysAdd, FeatherRule, GroupOracle, OnnxFilePolicy, make_policy
+from feather_gym.simulator import EngineConfig, Simulator, simulate
+from traces import Request, Trace
+
+BS = EngineConfig.block_size
+SERIAL = EngineConfig(max_num_seqs=1)          # one request at a time: the order is the admission order
+
+
+@pytest.fixture(scope="module")
+def h200():
+    return load_cost_model("h200")
+
+
+def tokens(seed: int, n: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(300, 30_000, size=n, dtype=np.int64)
+
+
+def req(i, arrival, prompt, output_len=4, group=None):
+    return Request(str(i), arrival, len(prompt), output_len, token_ids=prompt, group=group)
+
+
+def admission_order(result) -> list[int]:
+    return [int(i) for i in np.argsort(result.first_scheduled_s, kind="stable")]
+
+
+P, Q = tokens(1, 4 * BS), tokens(2, 4 * BS)
+
+
+def cached_prefix_trace():
+    """W (nothing cached) arrives first, then X under P, then Y1, Y2 under Q; P and Q are pre-cached."""
+    return Trace("t", [req(0, 0.0, tokens(3, 4 * BS + 10)),
+                       req(1, 0.0, np.concatenate([P, tokens(4, 10)])),
+                       req(2, 0.0, np.concatenate([Q, tokens(5, 10)])),
+                       req(3, 0.0, np.concatenate([Q, tokens(6, 10)]))])
+
+
+def run_with_cached(trace, cost_model, policy_name, prefixes):
+    """Simulate with ``prefixes`` already resident (cached, unreferenced) in the KV cache."""
+    policy = make_policy(policy_name)
+    sim = Simulator(trace, cost_model, policy.make_order(), config=SERIAL)
+    for prefix in prefixes:
+        digests = sim.cht.digests_of(prefix).tolist()
+        sim.kv.acquire(digests, 0, 0)
+        sim.kv.release(digests, 0)
+    while (point := sim.next_admission()) is not None:
+        sim.apply(policy.decide(point))
+    return admission_order(sim.result())
+
+
+def test_fcfs_admits_in_arrival_order(h200):
+    trace = Trace("t", [req(i, 0.001 * i, tokens(10 + i, 300 - 50 * i)) for i in range(5)])
+    assert admission_order(simulate(trace, h200, make_policy("fcfs"), config=SERIAL)) == [0, 1, 2, 3, 4]
+
+
+def test_fcfs_fills_the_batch_up_to_max_num_seqs(h200):
+    trace = Trace("t", [req(i, 0.0, tokens(20 + i, 100), output_len=50) for i in range(6)])
+    result = simulate(trace, h200, make_policy("fcfs"), config=EngineConfig(max_num_seqs=4))
+    assert np.sum(result.first_scheduled_s == 0.0) == 4
+
+
+def test_lpm_prefers_the_longest_cached_prefix(h200):
+    order = run_with_cached(cached_prefix_trace(), h200, "lpm", [P, Q])
+    assert order[:3] == [1, 2, 3] and order[3] == 0       # equal cached depth: FCFS among them, W last
+
+
+def test_lpm_falls_back_to_fcfs_beyond_its_queue_limit(h200):
+    trace = cached_prefix_trace()
+    sim = Simulator(trace, h200, LPMOrder(fcfs_beyond=2), config=SERIAL)
+    policy = AlwaysAdd("lpm-2", lambda: sim.order)
+    for prefix in (P, Q):
+        digests = sim.cht.digests_of(prefix).tolist()
+        sim.kv.acquire(digests, 0, 0)
+        sim.kv.release(digests, 0)
+    while (point := sim.next_admission()) is not None:
+        sim.apply(policy.decide(point))
+    assert admission_order(sim.result())[0] == 0           # 4 waiting > 2: FCFS head first
+
+
+def test_dfs_weight_visits_the_heavier_cached_subtree_first(h200):
+    order = run_with_cached(cached_prefix_trace(), h200, "dfs", [P, Q])
+    # Q's subtree (2 waiting) before P's (1) although X arrived first; once Y1 runs the
+    # subtrees weigh 1 each and the tie goes to the first seen (X); uncached W comes last.
+    assert order == [2, 1, 3, 0]
+
+
+def two_group_trace(n=6):
+    """Groups A and B interleaved, all arriving at once, 10-chunk prefixes."""
+    a, b = tokens(7, 10 * BS), tokens(8, 10 * BS)
+    return Trace("ab", [req(i, 0.0, np.concatenate([a if i % 2 == 0 else b, tokens(100 + i, 20)]), 30,
+                            group="A" if i % 2 == 0 else "B") for i in range(n)])
+
+
+def test_feather_rule_keeps_the_batch_in_one_prefix_group(h200):
+    trace = two_group_trace()
+    rule = simulate(trace, h200, make_policy("feather-rule"))
+    fcfs = simulate(trace, h200, make_policy("fcfs"))
+    first_step = set(np.flatnonzero(rule.first_scheduled_s == 0.0))
+    assert first_step == {0, 2, 4}                         # A admitted, B refused (chunk loss 10 > 5)
+    assert np.all(fcfs.first_scheduled_s == 0.0)           # FCFS mixes both groups at once
+
+
+def point(batch_size, chunk_loss=0, same_prefix_waiting=0, step=1):
+    stats = CandidateStats(shared_chunks=0, missing_chunks=10, chunk_loss=chunk_loss,
+                           same_prefix_waiting=same_prefix_waiting, num_chunks=10)
+    return SimpleNamespace(batch_size=batch_size, stats=stats, sim=SimpleNamespace(step=step))
+
+
+def test_feather_rule_thresholds():
+    rule = FeatherRule()
+    assert rule.decide(point(0, chunk_loss=50)) == ADD                       # first request always
+    assert rule.decide(point(20, chunk_loss=5)) == ADD
+    assert rule.decide(point(20, chunk_loss=6)) == STOP
+    assert rule.decide(point(20, chunk_loss=7, same_prefix_waiting=9)) == ADD   # 10 share the prefix
+    assert rule.decide(point(20, chunk_loss=8, same_prefix_waiting=9)) == STOP
+
+
+def test_feather_rule_floor_grows_with_refused_steps_up_to_ten():
+    rule = FeatherRule(floor_growth_steps=4)
+    assert rule.floor == 1
+    for step in range(1, 9):                                # 8 refused steps
+        assert rule.decide(point(3, chunk_loss=9, step=step)) == STOP
+        rule.decide(point(3, chunk_loss=9, step=step))      # a second refusal in a step counts once
+    assert rule.floor == 3
+    for step in range(9, 13):
+        rule.decide(point(3, chunk_loss=9, step=step))
+    assert rule.floor == 4 and rule.decide(point(3, chunk_loss=9, step=13)) == ADD
+    for step in range(14, 100):
+        rule.decide(point(30, chunk_loss=9, step=step))
+    assert rule.floor == 10
+    rule.reset()
+    assert rule.floor == 1
+
+
+def test_oracle_serves_one_group_at_a_time(h200):
+    trace = two_group_trace(8)
+    result = simulate(trace, h200, GroupOracle(min_batch=1))
+    a, b = result.first_scheduled_s[0::2], result.first_scheduled_s[1::2]
+    assert a.max() < b.min()                               # no B joins while A runs
+
+
+def test_oracle_admits_unlabelled_requests_like_fcfs(h200):
+    trace = Trace("t", [req(i, 0.0, tokens(30 + i, 600), 20) for i in range(6)])
+    result = simulate(trace, h200, make_policy("oracle"))
+    assert np.all(result.first_scheduled_s == 0.0)
+
+
+def test_make_policy_names_and_errors():
+    for name in ("fcfs", "lpm", "dfs", "feather-rule", "oracle"):
+        assert make_policy(name).name == name
+    assert isinstance(make_policy("runs/x/policy.onnx"), OnnxFilePolicy)   # loaded lazily: no file needed yet
+    with pytest.raises(ValueError, match="feather-rule"):
+        make_policy("sjf")
