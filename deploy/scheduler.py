@@ -1,0 +1,151 @@
+"""The Feather scheduler: vLLM's v1 scheduler with a CHT waiting queue and a learned admission.
+
+Plug it in with vLLM's ``scheduler_cls``::
+
+    vllm serve MODEL --scheduler-cls deploy.scheduler.FeatherScheduler \\
+        --additional-config '{"feather": {"policy": "policy.onnx"}}'
+
+Use :class:`FeatherAsyncScheduler` where vLLM runs async scheduling (the GPU default):
+vLLM's docs warn that a subclass of the synchronous ``Scheduler`` costs latency there, and this
+module refuses that combination. Both classes share :class:`FeatherSchedulingMixin`, which
+changes exactly three things of vLLM's scheduler:
+
+* ``self.waiting`` is a :class:`~deploy.waiting_queue.CHTWaitingQueue` (fed with vLLM's own
+  block hashes);
+* ``schedule()`` opens the queue's admission window, so each admission of vLLM's loop is an
+  ADD/STOP decision of :mod:`deploy.admission`;
+* ``_free_request()`` tells the queue a running request left.
+
+Budgets, KV allocation, chunked prefill, preemption and outputs stay vLLM's.
+
+Configuration (``additional_config["feather"]``, keys of :class:`FeatherConfig`): ``policy``
+(path; default the ``FEATHER_POLICY`` environment variable), ``on_policy_error`` (``"refuse"``,
+the default: a missing/corrupt/incompatible policy stops the engine from starting; ``"fcfs"``:
+warn and schedule FCFS), ``max_wait_s`` (waiting-time bound, default 10 s) and ``device``
+(``"cpu"`` default, or ``"cuda"``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+
+from deploy.vllm_compat import require_supported_vllm
+
+require_supported_vllm()  # before touching vLLM internals
+
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
+from vllm.v1.core.sched.request_queue import SchedulingPolicy  # noqa: E402
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+
+from cache_core.cht import ChunkedHashTree  # noqa: E402
+from deploy.admission import DEFAULT_MAX_WAIT_S, Admission, FCFSAdmission, PolicyAdmission  # noqa: E402
+from deploy.policy_runtime import OnnxPolicy  # noqa: E402
+from deploy.waiting_queue import CHTWaitingQueue  # noqa: E402
+
+logger = logging.getLogger(__name__)
+
+#: The ``additional_config`` key holding :class:`FeatherConfig` fields.
+ADDITIONAL_CONFIG_KEY = "feather"
+#: Environment variable naming the policy file when ``additional_config`` does not.
+POLICY_ENV = "FEATHER_POLICY"
+ON_POLICY_ERROR = ("refuse", "fcfs")
+
+
+class PolicyStartupError(RuntimeError):
+    """The configured policy cannot be used and ``on_policy_error`` is ``"refuse"``."""
+
+
+@dataclass(frozen=True)
+class FeatherConfig:
+    """Settings of the Feather scheduler (see the module docstring)."""
+
+    policy: str | None = None
+    on_policy_error: str = "refuse"
+    max_wait_s: float = DEFAULT_MAX_WAIT_S
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.on_policy_error not in ON_POLICY_ERROR:
+            raise ValueError(f"feather.on_policy_error must be one of {ON_POLICY_ERROR}, got {self.on_policy_error!r}")
+
+    @classmethod
+    def from_additional_config(cls, additional_config: Mapping | None,
+                               environ: Mapping[str, str] = os.environ) -> FeatherConfig:
+        """Read ``additional_config["feather"]``; ``policy`` defaults to ``$FEATHER_POLICY``.
+
+        Unknown keys raise ``ValueError`` listing the valid ones.
+        """
+        section = dict((additional_config or {}).get(ADDITIONAL_CONFIG_KEY) or {})
+        valid = {f.name for f in fields(cls)}
+        unknown = sorted(set(section) - valid)
+        if unknown:
+            raise ValueError(f"unknown additional_config['{ADDITIONAL_CONFIG_KEY}'] keys {unknown}; "
+                             f"valid keys: {sorted(valid)}")
+        section.setdefault("policy", environ.get(POLICY_ENV))
+        return cls(**section)
+
+
+def build_admission(config: FeatherConfig, *, num_running: Callable[[], int],
+                    kv_usage: Callable[[], float]) -> Admission:
+    """The admission for ``config``: the policy's, or FCFS when the policy is unusable and allowed.
+
+    Raises :class:`PolicyStartupError` (naming the file and the cause) when the policy is
+    missing, corrupt or incompatible and ``config.on_policy_error == "refuse"``.
+    """
+    try:
+        if config.policy is None:
+            raise FileNotFoundError(f"no policy configured (set additional_config['{ADDITIONAL_CONFIG_KEY}']"
+                                    f"['policy'] or ${POLICY_ENV})")
+        policy = OnnxPolicy(config.policy, device=config.device)
+    except (OSError, ValueError) as exc:
+        if config.on_policy_error == "refuse":
+            raise PolicyStartupError(f"Feather scheduler refuses to start: {exc}") from exc
+        logger.warning("Feather policy unusable (%s); scheduling FCFS as configured (on_policy_error='fcfs')", exc)
+        return FCFSAdmission()
+    logger.info("Feather policy %s loaded (%s, trained on %s / %s)", config.policy, policy.provider,
+                policy.metadata.get("feather.profile"), policy.metadata.get("feather.workload"))
+    return PolicyAdmission(policy, num_running=num_running, kv_usage=kv_usage, max_wait_s=config.max_wait_s)
+
+
+class FeatherSchedulingMixin:
+    """The Feather changes to a vLLM v1 scheduler class (see the module docstring).
+
+    ``feather_config`` is for in-process construction (tests, benchmarks); vLLM itself never
+    passes it, so engines read :class:`FeatherConfig` from ``additional_config``.
+    """
+
+    def __init__(self, *args, feather_config: FeatherConfig | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if self.policy != SchedulingPolicy.FCFS:
+            raise ValueError(f"the Feather scheduler replaces the FCFS waiting queue; scheduling policy "
+                             f"{self.policy.value!r} is not supported")
+        if self.scheduler_config.async_scheduling and not isinstance(self, AsyncScheduler):
+            raise ValueError("vLLM runs async scheduling here: use --scheduler-cls "
+                             "deploy.scheduler.FeatherAsyncScheduler")
+        config = feather_config or FeatherConfig.from_additional_config(self.vllm_config.additional_config)
+        self.waiting = CHTWaitingQueue(ChunkedHashTree(chunk_size=self.hash_block_size))
+        self.admission = build_admission(config, num_running=lambda: len(self.running),
+                                         kv_usage=lambda: self.kv_cache_manager.usage)
+
+    def schedule(self, throttle_prefills: bool = False):
+        with self.waiting.admitting(self.admission):
+            return super().schedule(throttle_prefills)
+
+    def _free_request(self, request, delay_free_blocks: bool = False):
+        self.waiting.finish_running(request)
+        return super()._free_request(request, delay_free_blocks)
+
+    def feather_stats(self) -> dict:
+        """The admission's name and counters (decisions, fallbacks, forced admissions...)."""
+        return self.admission.describe()
+
+
+class FeatherScheduler(FeatherSchedulingMixin, Scheduler):
+    """Feather on vLLM's synchronous scheduler (the CPU platform; no async scheduling)."""
+
+
+class FeatherAsyncScheduler(FeatherSchedulingMixin, AsyncScheduler):
+    """Feather on vLLM's ``AsyncScheduler`` (GPU engines with async scheduling)."""

@@ -1,0 +1,230 @@
+"""deploy: the CHT waiting queue under vLLM's admission protocol, the admission rules, start-up safety.
+
+Real vLLM v1 ``Request`` objects with the engine's sha256 block hashes; no engine (see
+test_deploy_live.py for that).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import pytest
+
+import deploy_policies as policies
+from cache_core.cht import ChunkedHashTree
+from deploy.admission import FCFSAdmission, PolicyAdmission
+from deploy.policy_bench import vllm_request
+from deploy.policy_runtime import OnnxPolicy
+from deploy.scheduler import FeatherConfig, PolicyStartupError, build_admission
+from deploy.waiting_queue import CHTWaitingQueue, block_hash_digests
+
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("policies")
+    add = policies.constant_policy(root / "add.onnx", 1)
+    return {"add": add, "stop": policies.constant_policy(root / "stop.onnx", 0),
+            "nan": policies.nan_policy(add, root / "nan.onnx"),
+            "old_version": policies.with_metadata(add, root / "old.onnx", obs_version="feather-obs-0"),
+            "corrupt": policies.corrupt_file(root / "corrupt.onnx"), "missing": root / "missing.onnx"}
+
+
+def tokens(*pieces: int) -> np.ndarray:
+    """A prompt of full blocks; piece ``p`` is block content ``p`` (equal pieces -> equal blocks)."""
+    return np.concatenate([np.full(BLOCK, 300 + p) + np.arange(BLOCK) for p in pieces])
+
+
+def make_queue(prompts: dict[str, tuple[int, ...]], arrival_time: float | None = None):
+    queue = CHTWaitingQueue(ChunkedHashTree(chunk_size=BLOCK))
+    now = time.time() if arrival_time is None else arrival_time
+    requests = {rid: vllm_request(rid, tokens(*pieces), block_size=BLOCK, arrival_time=now)
+                for rid, pieces in prompts.items()}
+    for request in requests.values():
+        queue.add_request(request)
+    return queue, requests
+
+
+def admit(queue):
+    """One admission as vLLM's loop does it: bool, peek, pop."""
+    if not queue:
+        return None
+    assert queue.peek_request() is not None
+    return queue.pop_request().request_id
+
+
+class Running:
+    """What PolicyAdmission reads from the scheduler: the running count, here settable."""
+
+    def __init__(self, n: int = 0) -> None:
+        self.n = n
+
+    def __call__(self) -> int:
+        return self.n
+
+
+def policy_admission(path, running: Running, **kwargs) -> PolicyAdmission:
+    return PolicyAdmission(OnnxPolicy(path), num_running=running, kv_usage=lambda: 0.25, **kwargs)
+
+
+def test_block_hash_digests_follow_vllm_prefixes():
+    a = vllm_request("a", tokens(1, 2, 3), block_size=BLOCK, arrival_time=0.0)
+    b = vllm_request("b", tokens(1, 2, 4), block_size=BLOCK, arrival_time=0.0)
+    da, db = block_hash_digests(a.block_hashes), block_hash_digests(b.block_hashes)
+    assert da.dtype == np.uint64 and len(da) == 3
+    np.testing.assert_array_equal(da[:2], db[:2])
+    assert da[2] != db[2]
+    assert len(block_hash_digests([])) == 0
+
+
+def test_outside_the_admission_window_the_queue_is_fcfs():
+    queue, _ = make_queue({"a": (1, 2), "b": (3, 4), "c": (1, 5)})
+    assert len(queue) == 3 and bool(queue)
+    assert [admit(queue) for _ in range(3)] == ["a", "b", "c"]
+    assert not queue and queue.num_running == 3
+
+
+def test_policy_admits_the_cht_best_candidate(files):
+    queue, requests = make_queue({"a": (1, 2, 3), "b": (7, 8, 9), "c": (1, 2, 5)})
+    running = Running()
+    admission = policy_admission(files["add"], running)
+    with queue.admitting(admission):
+        assert admit(queue) == "a"              # nothing runs: admitted unasked (rule 3)
+        running.n = 1
+        assert admit(queue) == "c"              # shares 2 blocks with a: before b, despite FCFS
+        running.n = 2
+        assert admit(queue) == "b"
+        assert not queue
+    assert admission.stats.forced_idle == 1 and admission.stats.adds == 2 and admission.stats.decisions == 2
+
+
+def test_stop_ends_admission_for_the_step(files):
+    queue, _ = make_queue({"a": (1,), "b": (2,)})
+    running = Running()
+    admission = policy_admission(files["stop"], running)
+    with queue.admitting(admission):
+        assert admit(queue) == "a"              # an empty batch is never left idle
+        running.n = 1
+        assert not queue                        # STOP: vLLM's loop breaks here
+        assert len(queue) == 1                  # ... but the request still waits
+    assert bool(queue)                          # outside the window: a plain queue again
+    assert admission.stats.stops == 1
+
+
+def test_waiting_time_bound_overrides_stop(files):
+    queue, _ = make_queue({"a": (1,), "b": (2,), "c": (3,)}, arrival_time=time.time() - 5.0)
+    admission = policy_admission(files["stop"], Running(1), max_wait_s=2.0)
+    with queue.admitting(admission):
+        assert [admit(queue) for _ in range(3)] == ["a", "b", "c"]
+    assert admission.stats.forced_wait == 3 and admission.stats.stops == 0
+
+
+class RaisingPolicy:
+    """A policy whose inference fails, as a broken runtime would (OnnxPolicy's interface)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def decide(self, obs) -> bool:
+        self.calls += 1
+        raise RuntimeError("onnxruntime exploded")
+
+
+@pytest.mark.parametrize("kind", ["raises", "nan"])
+def test_runtime_policy_failure_falls_back_to_fcfs_for_the_step(files, kind, caplog):
+    policy = RaisingPolicy() if kind == "raises" else OnnxPolicy(files["nan"])
+    queue, _ = make_queue({"a": (1,), "b": (2,), "c": (1, 3), "d": (4,)})
+    running = Running(1)
+    admission = PolicyAdmission(policy, num_running=running, kv_usage=lambda: 0.0)
+    with caplog.at_level(logging.WARNING, logger="deploy.admission"):
+        with queue.admitting(admission):
+            assert [admit(queue) for _ in range(2)] == ["a", "b"]   # FCFS, one failure for the step
+        assert admission.stats.fallbacks == 1 and admission.stats.fcfs_admissions == 2
+        with queue.admitting(admission):                            # next step: the policy is asked again
+            assert admit(queue) == "c"
+        assert admission.stats.fallbacks == 2
+    assert caplog.text.count("Feather policy failed") == 2          # logged at 1, 2, 4, ...
+    if kind == "raises":
+        assert policy.calls == 2
+
+
+def test_preempted_request_is_resumed_first_and_tree_empties(files):
+    queue, requests = make_queue({"a": (1, 2), "b": (1, 3), "c": (5, 6, 7)})
+    running = Running()
+    admission = policy_admission(files["add"], running)
+    with queue.admitting(admission):
+        assert admit(queue) == "a"
+        running.n = 1
+        assert admit(queue) == "b"
+    queue.prepend_request(requests["a"])          # vLLM preempts a: back to the front
+    assert queue.tree.num_running == 1 and queue.is_resumed(requests["a"])
+    running.n = 1
+    with queue.admitting(admission):
+        assert admit(queue) == "a"
+    assert admission.stats.forced_resumed == 1
+    queue.remove_requests([requests["c"], requests["b"]])   # b is running: ignored; c waits: removed
+    assert len(queue) == 0
+    for rid in ("a", "b"):
+        queue.finish_running(requests[rid])
+    assert set(queue.tree.memory_entries().values()) == {0}
+
+
+def test_feather_config_from_additional_config(tmp_path):
+    assert FeatherConfig.from_additional_config({}, environ={}) == FeatherConfig()
+    assert FeatherConfig.from_additional_config(None, environ={"FEATHER_POLICY": "p.onnx"}).policy == "p.onnx"
+    config = FeatherConfig.from_additional_config(
+        {"feather": {"policy": "x.onnx", "on_policy_error": "fcfs", "max_wait_s": 3}}, environ={"FEATHER_POLICY": "p"})
+    assert config == FeatherConfig(policy="x.onnx", on_policy_error="fcfs", max_wait_s=3)
+    with pytest.raises(ValueError, match="unknown .* keys \\['polcy'\\]; valid keys"):
+        FeatherConfig.from_additional_config({"feather": {"polcy": "x"}}, environ={})
+    with pytest.raises(ValueError, match="on_policy_error must be one of"):
+        FeatherConfig(on_policy_error="ignore")
+
+
+@pytest.mark.parametrize("name, message", [("missing", "does not exist"), ("corrupt", "not a loadable"),
+                                           ("old_version", "feather-obs-0"), (None, "no policy configured")])
+def test_unusable_policy_at_start_refuses_or_falls_back(files, name, message, caplog):
+    path = None if name is None else str(files[name])
+    hooks = {"num_running": lambda: 0, "kv_usage": lambda: 0.0}
+    with pytest.raises(PolicyStartupError, match=f"refuses to start: .*{message}"):
+        build_admission(FeatherConfig(policy=path), **hooks)
+    with caplog.at_level(logging.WARNING, logger="deploy.scheduler"):
+        admission = build_admission(FeatherConfig(policy=path, on_policy_error="fcfs"), **hooks)
+    assert isinstance(admission, FCFSAdmission)
+    assert "scheduling FCFS" in caplog.text and message in caplog.text
+
+
+def test_usable_policy_builds_a_policy_admission(files):
+    admission = build_admission(FeatherConfig(policy=str(files["add"]), max_wait_s=4.0),
+                                num_running=lambda: 0, kv_usage=lambda: 0.0)
+    assert isinstance(admission, PolicyAdmission) and admission.max_wait_s == 4.0
+
+
+def test_async_scheduler_variant_shares_the_mixin():
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from deploy.scheduler import FeatherAsyncScheduler, FeatherScheduler, FeatherSchedulingMixin
+
+    assert issubclass(FeatherAsyncScheduler, AsyncScheduler) and issubclass(FeatherAsyncScheduler, FeatherSchedulingMixin)
+    assert issubclass(FeatherScheduler, Scheduler) and not issubclass(FeatherScheduler, AsyncScheduler)
+    # The mixin's overrides come first in both: schedule() opens the admission window.
+    for cls in (FeatherScheduler, FeatherAsyncScheduler):
+        assert cls.schedule is FeatherSchedulingMixin.schedule
+        assert cls._free_request is FeatherSchedulingMixin._free_request
+
+
+def test_cli_bench_policy_and_serve_bench_errors(files, capsys):
+    import json
+
+    from feather_gym.cli import main
+
+    assert main(["bench", "policy", "--policy", str(files["add"]), "--iterations", "50", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["provider"] == "CPUExecutionProvider" and report["policy_adds"] > 0 and report["policy_stops"] == 0
+    assert 0 < report["decide_us_p50"] <= report["decide_us_p99"] and report["decision_us_p50"] > 0
+    assert main(["serve", "bench", "--policy", str(files["old_version"])]) == 2     # refused before any engine
+    assert "feather-obs-0" in capsys.readouterr().err

@@ -1,0 +1,66 @@
+"""A tiny real training run: RLlib PPO -> checkpoint -> policy.onnx (contract + parity) -> evaluation."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import onnxruntime
+import pytest
+
+from feather_gym.observation import FEATURE_NAMES, OBS_VERSION
+from trainer.cli import main
+from trainer.config import TrainConfig
+from trainer.train import train
+
+WORKLOADS = ("prefix-groups:num_requests=48,groups=3,rate=100", "no-sharing:num_requests=48")
+
+
+@pytest.fixture(autouse=True)
+def private_ray(monkeypatch):
+    """Local Ray without auth; trainer.train.ray_session gives it a fresh temp dir and removes it."""
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_tiny_training_run_exports_a_valid_policy(tmp_path, capsys):
+    config = TrainConfig(workloads=WORKLOADS, profile="h100", iterations=2, num_env_runners=0,
+                         envs_per_env_runner=2, window_requests=32, train_batch_size=256, minibatch_size=128,
+                         num_epochs=1, hidden_sizes=(16,), eval_seeds=(10_001,), output_dir=tmp_path / "run")
+    summary = train(config, progress=print)
+    out = tmp_path / "run"
+
+    progress = capsys.readouterr().out
+    assert "iter    1 | env steps" in progress and "iter    2 |" in progress and "left ~" in progress
+    assert summary["iterations"] == 2 and summary["env_steps"] >= 2 * 256
+
+    model = onnx.load(out / "policy.onnx")
+    onnx.checker.check_model(model, full_check=True)
+    meta = {p.key: p.value for p in model.metadata_props}
+    assert meta["feather.obs_version"] == OBS_VERSION
+    assert json.loads(meta["feather.feature_names"]) == list(FEATURE_NAMES)
+    assert meta["feather.profile"] == "h100" and json.loads(meta["feather.workload"]) == list(WORKLOADS)
+    parity = summary["export_parity"]
+    assert parity["max_abs_diff_random"] < 1e-4 and parity["max_abs_diff_real"] < 1e-4
+
+    for name in ("learning_curve.png", "summary.json"):
+        assert (out / name).stat().st_size > 0
+    assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+    assert json.loads((out / "summary.json").read_text())["iterations"] == 2
+
+    (result_a, result_b) = summary["evaluation"]["workloads"]
+    for result in (result_a, result_b):
+        assert {"fcfs", "lpm", "dfs", "feather-rule", "oracle", "trained"} <= set(result["throughput_tok_s"])
+        assert result["ratio_to_fcfs"]["fcfs"] == 1.0 and result["throughput_tok_s"]["trained"] > 0
+    assert result_a["target"].startswith(">= best heuristic") and result_b["target"].endswith("x fcfs")
+
+    # `feather-train export` of the checkpoint writes the same network with the run's labels.
+    assert main(["export", str(out / "checkpoint"), "-o", str(tmp_path / "again.onnx")]) == 0
+    again = onnx.load(tmp_path / "again.onnx")
+    assert {p.key: p.value for p in again.metadata_props} == meta
+    obs = np.random.default_rng(1).uniform(0, 2, (33, len(FEATURE_NAMES))).astype(np.float32)
+    outputs = [onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"obs": obs})[0]
+               for path in (out / "policy.onnx", tmp_path / "again.onnx")]
+    assert outputs[0].shape == (33, 2) and np.allclose(*outputs, atol=1e-6)

@@ -1,0 +1,111 @@
+"""``feather-train``: train the Feather policy with RLlib PPO, evaluate it, export it to ONNX.
+
+Usage::
+
+    feather-train [--config FILE] [--workload SPEC ...] [--profile NAME] [--iterations N | --time-budget S]
+                  [--env-runners N] [--seed N] [--output DIR] [--resume CHECKPOINT] [--ray-address ADDR] [--json]
+    feather-train export CHECKPOINT -o policy.onnx [--profile NAME] [--workload SPEC ...] [--json]
+
+With no arguments it trains on a built-in mix of prefix-sharing and no-sharing workloads with the
+shipped cost-model profile of this hardware, on a budget that finishes in under 10 minutes on 2
+cores. Bad input (unknown workload, missing profile, corrupted checkpoint) exits with status 2
+and a one-line ``feather-train: error: ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from datetime import datetime
+from pathlib import Path
+
+from trainer.config import DEFAULT_WORKLOADS, TrainConfig, build_config, load_config_file
+
+
+def build_train_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="feather-train", description=__doc__.splitlines()[0],
+        epilog="Export a checkpoint: feather-train export CHECKPOINT -o policy.onnx (see feather-train export -h).")
+    defaults = TrainConfig()
+    parser.add_argument("--config", type=Path, help="YAML (.yaml/.yml) or TOML (.toml) file of settings; flags override it")
+    parser.add_argument("--workload", dest="workloads", action="append", metavar="SPEC",
+                        help="workload of the training mix (repeat for a mix): a trace file, a shared-trace name or "
+                             f"KIND[:key=value,...]; default: {' '.join(DEFAULT_WORKLOADS)}")
+    parser.add_argument("--profile", help="cost-model profile name or file; default: the shipped one for this hardware")
+    budget = parser.add_mutually_exclusive_group()
+    budget.add_argument("--iterations", type=int, help="train for exactly N PPO iterations")
+    budget.add_argument("--time-budget", dest="time_budget_s", type=float, metavar="SECONDS",
+                        help=f"train until another iteration would exceed this (default {defaults.time_budget_s:.0f})")
+    parser.add_argument("--env-runners", dest="num_env_runners", type=int,
+                        help=f"RLlib env runner processes (default {defaults.num_env_runners})")
+    parser.add_argument("--seed", type=int, help=f"training seed (default {defaults.seed})")
+    parser.add_argument("--output", dest="output_dir", type=Path, help="output folder (default runs/feather-<UTC time>)")
+    parser.add_argument("--resume", type=Path, metavar="CHECKPOINT", help="continue from an RLlib checkpoint")
+    parser.add_argument("--ray-address", help="train on an existing Ray cluster (e.g. auto, ray://host:10001); "
+                                              "default: start a local Ray")
+    parser.add_argument("--json", action="store_true", help="print the run summary as one JSON object on the last line")
+    return parser
+
+
+def build_export_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="feather-train export",
+                                     description="Export the policy of an RLlib checkpoint to a Feather ONNX file, "
+                                                 "verified against torch with onnxruntime.")
+    parser.add_argument("checkpoint", type=Path, help="RLlib checkpoint directory (e.g. <output>/checkpoint)")
+    parser.add_argument("-o", "--output", type=Path, required=True, help="ONNX file to write")
+    parser.add_argument("--profile", help="profile recorded in the metadata (default: the checkpoint's)")
+    parser.add_argument("--workload", dest="workloads", action="append", metavar="SPEC",
+                        help="workload(s) recorded in the metadata (default: the checkpoint's)")
+    parser.add_argument("--json", action="store_true", help="print the parity report as one JSON object")
+    return parser
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from trainer.train import train
+
+    file_settings = load_config_file(args.config) if args.config else {}
+    flags = {k: v for k, v in vars(args).items() if k not in ("config", "json")}
+    summary = train(build_config(file_settings, flags))
+    print(f"wrote {summary['policy']}, {Path(summary['policy']).parent / 'summary.json'}; "
+          f"trained {summary['train_s']:.0f} s, total {summary['total_s']:.0f} s")
+    if args.json:
+        print(json.dumps(summary))
+    return 0
+
+
+def run_export(args: argparse.Namespace) -> int:
+    from trainer.export import export_policy_module, load_policy_network
+    from trainer.train import read_training_info
+
+    network = load_policy_network(args.checkpoint)
+    info = read_training_info(args.checkpoint) or {}
+    profile = args.profile or info.get("profile")
+    workloads = args.workloads or info.get("workloads")
+    if not profile or not workloads:
+        raise ValueError(f"checkpoint {args.checkpoint} does not record its profile and workloads "
+                         "(not written by feather-train); pass --profile and --workload")
+    trained_at = datetime.fromisoformat(info["trained_at"]) if "trained_at" in info else None
+    report = export_policy_module(network, args.output, profile=profile, workload=workloads, trained_at=trained_at)
+    print(f"wrote {args.output}: max abs diff vs torch {report['max_abs_diff_random']:.2g} (random), "
+          f"{report['max_abs_diff_real']:.2g} (real, {report['num_real_observations']} observations)")
+    if args.json:
+        print(json.dumps(report))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["export"]:
+        args, handler = build_export_parser().parse_args(argv[1:]), run_export
+    else:
+        args, handler = build_train_parser().parse_args(argv), run_train
+    try:
+        return handler(args)
+    except (ValueError, OSError) as exc:
+        print(f"feather-train: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

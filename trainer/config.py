@@ -1,0 +1,182 @@
+"""What one ``feather-train`` run does: the training configuration and where it comes from.
+
+Precedence, lowest first: the defaults of :class:`TrainConfig` (a built-in workload mix, the
+shipped cost-model profile for the hardware at hand, a budget that finishes in under 10 minutes
+on 2 cores), then a config file (YAML ``.yaml``/``.yml`` or TOML ``.toml``, keys = field names),
+then command-line flags. :meth:`TrainConfig.validate` checks everything a user can get wrong
+before Ray starts, so bad input fails in seconds with a message naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+import yaml
+
+#: The built-in mix: prefix sharing of several shapes plus a no-sharing control, so the policy
+#: learns both to form homogeneous batches and to keep batches full when nothing is shared.
+DEFAULT_WORKLOADS: tuple[str, ...] = (
+    "prefix-groups:groups=5,prefix_tokens=5000,rate=100",
+    "prefix-groups",
+    "tool-agent",
+    "no-sharing",
+)
+
+
+@dataclass
+class TrainConfig:
+    """One training run. Every field can be set in a config file or by a flag of the same name.
+
+    Budget: training stops after ``iterations`` PPO iterations when given, otherwise when
+    another iteration would overrun ``time_budget_s`` (wall time spent in ``algo.train()``;
+    Ray start-up, evaluation and export come on top, about a minute here).
+    """
+
+    workloads: tuple[str, ...] = DEFAULT_WORKLOADS
+    profile: str | None = None              # None: the shipped profile for this hardware
+    iterations: int | None = None
+    time_budget_s: float = 330.0
+    num_env_runners: int = 1                # 2 cores: one sampler process + the learner in the driver
+    envs_per_env_runner: int = 8            # vectorised: one batched forward pass per 8 env steps
+    seed: int = 0
+    output_dir: Path | None = None          # None: runs/feather-<UTC timestamp>
+    resume: Path | None = None              # an RLlib checkpoint directory of a previous run
+    ray_address: str | None = None          # None: start a local Ray
+    # Episodes: the env's own settings. ``None`` keeps the env's default window (64 requests;
+    # whole 1000-request traces made CPU-profile episodes longer than 24k decisions, so no
+    # episode ended within the budget). The wait penalty is off: on overloaded traces every
+    # policy's waits pass any bound and the penalty swamps the throughput signal.
+    window_requests: int | None = None
+    wait_penalty: float = 0.0
+    # PPO (small on purpose: 9 features, 2 actions, 2 cores).
+    hidden_sizes: tuple[int, ...] = (64, 64)
+    train_batch_size: int = 4000
+    minibatch_size: int = 1000
+    num_epochs: int = 5
+    lr: float = 3e-4
+    gamma: float = 1.0                      # undiscounted: the env's return ranks policies by throughput
+    gae_lambda: float = 1.0                 # Monte-Carlo advantages: with 0.95 the CPU-profile run drifted to STOP
+    entropy_coeff: float = 0.0
+    # Evaluation on held-out seeds, disjoint from the training seeds.
+    eval_seeds: tuple[int, ...] = (10_001, 10_002, 10_003)
+
+    def resolved(self) -> "TrainConfig":
+        """A copy with the hardware default profile and the default output folder filled in."""
+        return dataclasses.replace(
+            self,
+            profile=self.profile or hardware_profile(),
+            output_dir=self.output_dir or Path("runs") / datetime.now(timezone.utc).strftime("feather-%Y%m%d-%H%M%S"),
+        )
+
+    def validate(self) -> None:
+        """Raise ``ValueError``/``OSError`` naming the bad field; cheap (no Ray, no training)."""
+        import traces
+
+        from feather_gym.costmodel import load_cost_model
+
+        if not self.workloads:
+            raise ValueError("workloads: at least one workload spec is needed")
+        for spec in self.workloads:
+            traces.resolve_workload(spec, seed=self.seed)        # ValueError listing the valid kinds/keys
+        if self.profile is not None:
+            load_cost_model(self.profile)                        # OSError/ValueError for a missing/bad profile
+        if self.iterations is not None and self.iterations < 1:
+            raise ValueError(f"iterations: must be >= 1, got {self.iterations}")
+        if self.time_budget_s <= 0:
+            raise ValueError(f"time_budget_s: must be > 0, got {self.time_budget_s}")
+        if self.num_env_runners < 0 or self.envs_per_env_runner < 1:
+            raise ValueError(f"num_env_runners must be >= 0 and envs_per_env_runner >= 1, got "
+                             f"{self.num_env_runners} and {self.envs_per_env_runner}")
+        if self.minibatch_size > self.train_batch_size:
+            raise ValueError(f"minibatch_size ({self.minibatch_size}) exceeds train_batch_size ({self.train_batch_size})")
+        if self.resume is not None:
+            if not Path(self.resume).is_dir():
+                raise FileNotFoundError(f"resume: checkpoint directory {self.resume} does not exist")
+            from trainer.export import load_policy_network
+
+            load_policy_network(self.resume)                     # a corrupted checkpoint fails here, before Ray
+        if not self.eval_seeds:
+            raise ValueError("eval_seeds: at least one held-out seed is needed")
+
+    def to_json(self) -> dict:
+        """JSON-ready dict of all fields (paths as strings, tuples as lists)."""
+        return {k: (str(v) if isinstance(v, Path) else list(v) if isinstance(v, tuple) else v)
+                for k, v in dataclasses.asdict(self).items()}
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+_HINTS = typing.get_type_hints(TrainConfig)
+
+
+def hardware_profile() -> str:
+    """The shipped cost-model profile for this machine: the visible GPU's class, else ``cpu``."""
+    from feather_gym.costmodel import SHIPPED_PROFILES
+
+    try:
+        import torch
+
+        gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else ""
+    except ImportError:
+        gpu = ""
+    gpu = _alphanumeric(gpu)      # "NVIDIA RTX 6000 Ada Generation" -> "nvidiartx6000adageneration"
+    return next((name for name in SHIPPED_PROFILES if name != "cpu" and _alphanumeric(name) in gpu), "cpu")
+
+
+def _alphanumeric(text: str) -> str:
+    return "".join(ch for ch in text.lower() if ch.isalnum())
+
+
+def load_config_file(path: str | Path) -> dict:
+    """The ``{field: value}`` overrides of a YAML or TOML config file (unknown keys are errors)."""
+    path = Path(path)
+    if path.suffix == ".toml":
+        loader = tomllib.loads
+    elif path.suffix in (".yaml", ".yml"):
+        loader = yaml.safe_load
+    else:
+        raise ValueError(f"{path}: config file must end in .yaml, .yml or .toml")
+    try:
+        data = loader(path.read_text()) or {}
+    except (yaml.YAMLError, tomllib.TOMLDecodeError) as exc:
+        raise ValueError(f"{path}: not valid {path.suffix[1:].upper()}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping of settings, got {type(data).__name__}")
+    unknown = sorted(set(data) - set(_FIELDS))
+    if unknown:
+        raise ValueError(f"{path}: unknown setting(s) {', '.join(unknown)}; valid: {', '.join(_FIELDS)}")
+    return {key: _coerce(key, value, source=str(path)) for key, value in data.items()}
+
+
+def build_config(file_settings: dict, flag_settings: dict) -> TrainConfig:
+    """Defaults < file < flags (flags that were not given are ``None`` and do not override)."""
+    settings = {**file_settings, **{k: v for k, v in flag_settings.items() if v is not None}}
+    return TrainConfig(**{key: _coerce(key, value, source="flag") for key, value in settings.items()})
+
+
+def _coerce(key: str, value, *, source: str):
+    """``value`` as the annotated type of field ``key``: lists become tuples, strings paths, and
+    a value of the wrong kind is a ``ValueError`` naming ``source`` and the setting."""
+    if value is None:
+        return None
+    hint = _HINTS[key]
+    if typing.get_origin(hint) is tuple:
+        items = [value] if isinstance(value, str) else value
+        if not isinstance(items, (list, tuple)):
+            raise ValueError(f"{source}: {key} must be a list, got {value!r}")
+        return tuple(typing.get_args(hint)[0](item) for item in items)
+    kinds = set(typing.get_args(hint)) - {type(None)} or {hint}
+    if Path in kinds:
+        return Path(value)
+    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if float in kinds:
+        if not is_number:
+            raise ValueError(f"{source}: {key} must be a number, got {value!r}")
+        return float(value)
+    if int in kinds and not (is_number and isinstance(value, int)):
+        raise ValueError(f"{source}: {key} must be an integer, got {value!r}")
+    return value

@@ -1,0 +1,202 @@
+"""Export the Feather policy network to ONNX, the one file the simulator and vLLM load.
+
+The file contract (see the project's INTERFACES): one input ``obs``, float32 ``[N, F]`` with a
+dynamic ``N`` and ``F = len(FEATURE_NAMES)``, already normalised; one output ``action_logits``,
+float32 ``[N, 2]`` (index 0 STOP, 1 ADD); opset >= 17; ``onnx.checker`` clean; metadata_props
+describing the observation (version, feature names, normalisation), the actions, the env, and the
+profile, workload and date of training.
+
+Every export is verified: onnxruntime (CPU provider) and torch must agree on random observations
+and on real ones from the environment; the parity report is returned and a disagreement beyond
+``atol`` raises.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+from collections.abc import Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+import onnx
+import torch
+
+OPSET = 18                      # >= 17; torch's exporter emits 18 natively (no version conversion)
+INPUT_NAME = "obs"
+OUTPUT_NAME = "action_logits"
+NUM_ACTIONS = 2
+PARITY_ATOL = 1e-4              # float32 MLP: torch vs onnxruntime differ by ~1e-7 in practice
+PARITY_RANDOM_ROWS = 256
+PARITY_REAL_ROWS = 512
+
+
+class PolicyLogits(torch.nn.Module):
+    """An RLlib RLModule as a plain ``obs [N, F] -> action_logits [N, 2]`` network.
+
+    Uses the module's inference forward pass, so only the policy path is traced; for PPO's
+    default module that is the actor encoder plus the pi head (the value head is left out).
+    """
+
+    def __init__(self, rl_module: torch.nn.Module) -> None:
+        super().__init__()
+        self.rl_module = rl_module
+
+    def forward(self, obs: torch.Tensor) -> torch.Tensor:
+        from ray.rllib.core.columns import Columns
+
+        return self.rl_module.forward_inference({Columns.OBS: obs})[Columns.ACTION_DIST_INPUTS]
+
+
+def rl_module_path(checkpoint: str | Path) -> Path:
+    """Where the default RLModule lives inside an RLlib (new API stack) algorithm checkpoint.
+
+    Accepts either the algorithm checkpoint directory or the RLModule directory itself.
+    """
+    from ray.rllib.core import COMPONENT_LEARNER, COMPONENT_LEARNER_GROUP, COMPONENT_RL_MODULE, DEFAULT_MODULE_ID
+
+    checkpoint = Path(checkpoint)
+    nested = checkpoint / COMPONENT_LEARNER_GROUP / COMPONENT_LEARNER / COMPONENT_RL_MODULE / DEFAULT_MODULE_ID
+    return nested if nested.is_dir() else checkpoint
+
+
+def load_policy_network(checkpoint: str | Path) -> PolicyLogits:
+    """The trained policy network of an RLlib checkpoint, in eval mode, on CPU.
+
+    Loads only the RLModule (no Ray cluster needed). Raises ``OSError`` when the path does not
+    exist and ``ValueError`` when it is not a readable RLlib checkpoint.
+    """
+    from ray.rllib.core.rl_module.rl_module import RLModule
+
+    checkpoint = Path(checkpoint)
+    if not checkpoint.exists():
+        raise FileNotFoundError(f"checkpoint {checkpoint} does not exist")
+    module_dir = rl_module_path(checkpoint)
+    try:
+        rl_module = RLModule.from_checkpoint(module_dir)
+    except (pickle.UnpicklingError, EOFError, FileNotFoundError, KeyError, AttributeError,
+            TypeError, ValueError, RuntimeError) as exc:
+        raise ValueError(
+            f"checkpoint {checkpoint} is not a readable RLlib checkpoint "
+            f"(loading the RLModule from {module_dir} failed: {type(exc).__name__}: {exc})"
+        ) from exc
+    if not isinstance(rl_module, torch.nn.Module):
+        raise ValueError(f"checkpoint {checkpoint} holds a {type(rl_module).__name__}, not a torch RLModule")
+    return PolicyLogits(rl_module).eval()
+
+
+def onnx_metadata(*, profile: str, workload: str | Sequence[str], trained_at: datetime | None = None) -> dict[str, str]:
+    """The ``feather.*`` metadata_props, from the observation builder of this version.
+
+    ``workload`` is stored as the spec itself when it is one spec (or a one-element list), and as
+    a JSON list for a mix.
+    """
+    from feather_gym.envs import ENV_ID
+    from feather_gym.observation import ACTION_MEANINGS, FEATURE_NAMES, OBS_NORMALIZATION, OBS_VERSION
+
+    trained_at = trained_at or datetime.now(timezone.utc)
+    return {
+        "feather.obs_version": str(OBS_VERSION),
+        "feather.feature_names": json.dumps(list(FEATURE_NAMES)),
+        "feather.obs_normalization": json.dumps({name: [float(o), float(s)] for name, (o, s) in OBS_NORMALIZATION.items()}),
+        "feather.action_meanings": json.dumps(list(ACTION_MEANINGS)),
+        "feather.env_id": ENV_ID,
+        "feather.profile": profile,
+        "feather.workload": workload if isinstance(workload, str) else
+                            workload[0] if len(workload) == 1 else json.dumps(list(workload)),
+        "feather.trained_at": trained_at.astimezone(timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def sample_observations(*, profile: str, workload: str | Sequence[str], rows: int = PARITY_REAL_ROWS, seed: int = 0) -> np.ndarray:
+    """``rows`` real observations from the Feather env, stepped with uniformly random actions."""
+    import gymnasium as gym
+
+    from feather_gym.envs import ENV_ID
+
+    workloads = [workload] if isinstance(workload, str) else list(workload)
+    env = gym.make(ENV_ID, workloads=workloads, profile=profile, seed=seed)
+    rng = np.random.default_rng(seed)
+    observations = []
+    obs, _ = env.reset(seed=seed)
+    while len(observations) < rows:
+        observations.append(obs)
+        obs, _, terminated, truncated, _ = env.step(int(rng.integers(NUM_ACTIONS)))
+        if terminated or truncated:
+            obs, _ = env.reset()
+    env.close()
+    return np.asarray(observations, dtype=np.float32)
+
+
+def export_policy_module(
+    torch_module: torch.nn.Module,
+    path: str | Path,
+    *,
+    profile: str,
+    workload: str | Sequence[str],
+    trained_at: datetime | None = None,
+    observations: np.ndarray | None = None,
+    atol: float = PARITY_ATOL,
+) -> dict:
+    """Write ``torch_module`` (obs ``[N, F]`` -> logits ``[N, 2]``) to ``path`` as a Feather ONNX policy.
+
+    ``observations`` are the real observations for the parity check; by default they are
+    sampled from the env with ``profile`` and ``workload``. Returns the parity report
+    (``max_abs_diff_random``, ``max_abs_diff_real``, action agreement, sizes); raises
+    ``ValueError`` when the network has the wrong shape or onnxruntime disagrees beyond ``atol``.
+    """
+    from feather_gym.observation import FEATURE_NAMES, OBS_CLIP
+
+    path = Path(path)
+    num_features = len(FEATURE_NAMES)
+    module = torch_module.eval().cpu()
+    example = torch.zeros(3, num_features)
+    with torch.no_grad():
+        out = module(example)
+    if tuple(out.shape) != (3, NUM_ACTIONS):
+        raise ValueError(f"policy network maps [3, {num_features}] observations to {list(out.shape)}, expected [3, {NUM_ACTIONS}]")
+
+    program = torch.onnx.export(
+        module, (example,), None,
+        input_names=[INPUT_NAME], output_names=[OUTPUT_NAME],
+        dynamic_shapes=({0: torch.export.Dim("batch")},),
+        opset_version=OPSET, dynamo=True, verbose=False,
+    )
+    model = program.model_proto
+    onnx.helper.set_model_props(model, onnx_metadata(profile=profile, workload=workload, trained_at=trained_at))
+    onnx.checker.check_model(model, full_check=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save_model(model, path)
+
+    if observations is None:
+        observations = sample_observations(profile=profile, workload=workload)
+    random_obs = np.random.default_rng(0).uniform(0.0, OBS_CLIP, (PARITY_RANDOM_ROWS, num_features)).astype(np.float32)
+    report = {
+        "path": str(path),
+        "opset": OPSET,
+        "num_features": num_features,
+        "num_random_observations": len(random_obs),
+        "num_real_observations": len(observations),
+        **_parity(module, path, random_obs, "random"),
+        **_parity(module, path, np.asarray(observations, dtype=np.float32), "real"),
+    }
+    worst = max(report["max_abs_diff_random"], report["max_abs_diff_real"])
+    if not worst <= atol:
+        path.unlink()
+        raise ValueError(f"ONNX export {path} disagrees with torch: max abs diff {worst:.3g} > {atol:g}")
+    return report
+
+
+def _parity(module: torch.nn.Module, path: Path, obs: np.ndarray, label: str) -> dict:
+    """Max abs logit difference and argmax agreement of onnxruntime (CPU) vs torch on ``obs``."""
+    import onnxruntime
+
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    (onnx_logits,) = session.run([OUTPUT_NAME], {INPUT_NAME: obs})
+    with torch.no_grad():
+        torch_logits = module(torch.from_numpy(obs)).numpy()
+    return {
+        f"max_abs_diff_{label}": float(np.abs(onnx_logits - torch_logits).max()),
+        f"action_agreement_{label}": float(np.mean(onnx_logits.argmax(1) == torch_logits.argmax(1))),
+    }

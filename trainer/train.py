@@ -1,0 +1,201 @@
+"""Train the Feather ADD/STOP policy with RLlib PPO (new API stack) in the Feather gym.
+
+One run: start (or join) Ray, build PPO on ``feather_gym/BatchFormation-v0`` with the run's
+workload mix and cost-model profile, iterate until the budget is spent (printing a progress
+line per iteration and logging RLlib's metrics for TensorBoard), save an RLlib checkpoint,
+export ``policy.onnx`` from it, evaluate it against every baseline on held-out seeds, and write
+the learning curve and a JSON summary. Output folder layout::
+
+    <output>/checkpoint/        RLlib checkpoint (+ feather_training.json: profile, workloads, date)
+    <output>/policy.onnx        the exported policy (trainer.export contract)
+    <output>/learning_curve.png
+    <output>/summary.json       config, history, timings, export parity, evaluation
+    <output>/tensorboard/       RLlib result metrics as TensorBoard events
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from datetime import datetime, timezone
+from pathlib import Path
+
+from trainer.config import TrainConfig
+from trainer.logs import IterationRecord, RunLog
+
+RLLIB_ENV_NAME = "feather-batch-formation"
+TRAINING_INFO_FILE = "feather_training.json"   # inside the checkpoint: what export needs to label the policy
+VF_CLIP_PARAM = 1e4                             # returns-to-go over whole traces reach hundreds of units
+SEED_STRIDE = 1_000                             # env seed = seed + SEED_STRIDE * worker + vector index
+
+
+def make_training_env(env_context):
+    """RLlib env creator: the Feather env, seeded distinctly per env runner and vector slot."""
+    import gymnasium as gym
+
+    from feather_gym.envs import ENV_ID
+
+    seed = env_context["seed"] + SEED_STRIDE * env_context.worker_index + env_context.vector_index
+    return gym.make(ENV_ID, **{**env_context, "seed": seed})
+
+
+@contextlib.contextmanager
+def ray_session(address: str | None) -> Iterator[None]:
+    """Connect to the Ray cluster at ``address``, or start a private local Ray (no dashboard,
+    auth disabled, a fresh temp dir) and shut it down and remove its temp dir afterwards."""
+    import ray
+
+    temp_dir = None
+    if address:
+        ray.init(address=address, log_to_driver=False)
+    else:
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        temp_dir = tempfile.mkdtemp(prefix="feather-ray-")
+        ray.init(include_dashboard=False, log_to_driver=False, _temp_dir=temp_dir)
+    try:
+        yield
+    finally:
+        ray.shutdown()
+        if temp_dir:
+            shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def env_config(config: TrainConfig) -> dict:
+    """The Feather env's settings for ``config`` (unset ones keep the env's defaults)."""
+    settings = {"workloads": list(config.workloads), "profile": config.profile, "seed": config.seed,
+                "window_requests": config.window_requests, "wait_penalty": config.wait_penalty}
+    return {key: value for key, value in settings.items() if value is not None}
+
+
+def build_algorithm(config: TrainConfig):
+    """The PPO ``Algorithm`` of ``config`` (Ray must be running)."""
+    from ray.rllib.algorithms.ppo import PPOConfig
+    from ray.rllib.core.rl_module.default_model_config import DefaultModelConfig
+    from ray.tune.registry import register_env
+
+    register_env(RLLIB_ENV_NAME, make_training_env)
+    ppo = (
+        PPOConfig()
+        .environment(RLLIB_ENV_NAME, env_config=env_config(config))
+        .env_runners(num_env_runners=config.num_env_runners, num_envs_per_env_runner=config.envs_per_env_runner,
+                     rollout_fragment_length="auto")
+        .learners(num_learners=0)
+        .training(train_batch_size_per_learner=config.train_batch_size, minibatch_size=config.minibatch_size,
+                  num_epochs=config.num_epochs, lr=config.lr, gamma=config.gamma, lambda_=config.gae_lambda,
+                  entropy_coeff=config.entropy_coeff, vf_clip_param=VF_CLIP_PARAM)
+        .rl_module(model_config=DefaultModelConfig(fcnet_hiddens=list(config.hidden_sizes),
+                                                   fcnet_activation="tanh", vf_share_layers=False))
+        .debugging(seed=config.seed)
+    )
+    return ppo.build_algo()
+
+
+def restore(algo, checkpoint: Path) -> None:
+    """Load a previous run's checkpoint into ``algo``; a corrupted one is a ``ValueError``."""
+    try:
+        algo.restore_from_path(str(Path(checkpoint).resolve()))
+    except Exception as exc:  # RLlib surfaces pickle/IO/actor errors alike; all mean "unusable checkpoint"
+        raise ValueError(f"cannot resume from checkpoint {checkpoint}: {type(exc).__name__}: {exc}") from exc
+
+
+def train_loop(algo, config: TrainConfig, run_log: RunLog, *, progress: Callable[[str], None]) -> float:
+    """Call ``algo.train()`` until the iteration count or time budget is spent; returns seconds spent."""
+    start = time.monotonic()
+    done = 0
+    while True:
+        algo_result = algo.train()
+        done += 1
+        elapsed = time.monotonic() - start
+        record = run_log.record(algo_result, time_total_s=elapsed)
+        per_iteration = elapsed / done
+        if config.iterations is not None:
+            left = (config.iterations - done) * per_iteration
+            finished = done >= config.iterations
+        else:
+            left = max(config.time_budget_s - elapsed, 0.0)
+            finished = elapsed + per_iteration > config.time_budget_s
+        progress(_progress_line(record, left))
+        if finished:
+            return elapsed
+
+
+def _progress_line(record: IterationRecord, left_s: float) -> str:
+    ret = "n/a" if math.isnan(record.episode_return_mean) else f"{record.episode_return_mean:10.2f}"
+    return (f"iter {record.iteration:4d} | env steps {record.env_steps:9,d} | return {ret} | "
+            f"elapsed {record.time_total_s:6.0f} s | left ~{left_s:5.0f} s")
+
+
+def write_training_info(checkpoint: Path, config: TrainConfig, trained_at: datetime) -> None:
+    """Label the checkpoint with what its policy was trained on (read back by ``feather-train export``)."""
+    info = {"profile": config.profile, "workloads": list(config.workloads), "trained_at": trained_at.isoformat()}
+    (checkpoint / TRAINING_INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
+
+
+def read_training_info(checkpoint: Path) -> dict | None:
+    """The label written by :func:`write_training_info`, or None for a foreign checkpoint."""
+    path = Path(checkpoint) / TRAINING_INFO_FILE
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def train(config: TrainConfig, *, progress: Callable[[str], None] = print) -> dict:
+    """Run the whole job of the module docstring; returns the summary (also in summary.json)."""
+    from trainer.evaluate import evaluate_policy, format_table
+    from trainer.export import export_policy_module, load_policy_network
+
+    config = config.resolved()
+    config.validate()
+    out = Path(config.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    progress(f"feather-train: profile {config.profile}, workloads {', '.join(config.workloads)}, "
+             f"{'%d iterations' % config.iterations if config.iterations else 'budget %.0f s' % config.time_budget_s}, "
+             f"output {out}")
+
+    job_start = time.monotonic()
+    with ray_session(config.ray_address), RunLog(out / "tensorboard") as run_log:
+        algo = build_algorithm(config)
+        try:
+            if config.resume:
+                restore(algo, config.resume)
+                progress(f"resumed from {config.resume}")
+            setup_s = time.monotonic() - job_start
+            train_s = train_loop(algo, config, run_log, progress=progress)
+            checkpoint = out / "checkpoint"
+            algo.save_to_path(str(checkpoint.resolve()))
+        finally:
+            algo.stop()
+    trained_at = datetime.now(timezone.utc)
+    write_training_info(checkpoint, config, trained_at)
+    run_log.plot_learning_curve(out / "learning_curve.png", title=f"Feather PPO ({config.profile})")
+
+    policy_path = out / "policy.onnx"
+    parity = export_policy_module(load_policy_network(checkpoint), policy_path, profile=config.profile,
+                                  workload=list(config.workloads), trained_at=trained_at)
+    progress(f"exported {policy_path} (max abs diff vs torch: random {parity['max_abs_diff_random']:.2g}, "
+             f"real {parity['max_abs_diff_real']:.2g})")
+    eval_start = time.monotonic()
+    evaluation = evaluate_policy(policy_path, workloads=config.workloads, profile=config.profile,
+                                 seeds=config.eval_seeds)
+    progress(format_table(evaluation))
+    summary = {
+        "config": config.to_json(),
+        "trained_at": trained_at.isoformat(),
+        "setup_s": round(setup_s, 2),
+        "train_s": round(train_s, 2),
+        "eval_s": round(time.monotonic() - eval_start, 2),
+        "total_s": round(time.monotonic() - job_start, 2),
+        "iterations": len(run_log.history),
+        "env_steps": run_log.history[-1].env_steps,
+        "history": run_log.history_json(),
+        "checkpoint": str(checkpoint),
+        "policy": str(policy_path),
+        "export_parity": parity,
+        "evaluation": evaluation,
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
