@@ -23,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
+from feather_gym.observation import observation_contract
+
 logger = logging.getLogger(__name__)
 
 INPUT_NAME = "obs"
@@ -40,25 +42,14 @@ class PolicyOutputError(ValueError):
     """The policy returned non-finite logits for an observation."""
 
 
-def expected_metadata() -> dict[str, object]:
-    """The observation contract of this version, as the decoded ``feather.*`` metadata values."""
-    from feather_gym.observation import ACTION_MEANINGS, FEATURE_NAMES, OBS_NORMALIZATION, OBS_VERSION
-
-    return {
-        "feather.obs_version": str(OBS_VERSION),
-        "feather.feature_names": list(FEATURE_NAMES),
-        "feather.obs_normalization": {name: [float(o), float(s)] for name, (o, s) in OBS_NORMALIZATION.items()},
-        "feather.action_meanings": list(ACTION_MEANINGS),
-    }
-
-
 def check_metadata(path: str | os.PathLike, metadata: dict[str, str]) -> None:
-    """Raise :class:`PolicyLoadError` unless ``metadata`` (raw strings) matches :func:`expected_metadata`.
+    """Raise :class:`PolicyLoadError` unless ``metadata`` (raw strings) matches this version's
+    :func:`~feather_gym.observation.observation_contract`.
 
     The message names the file, the field, and both the policy's and this build's observation
     versions.
     """
-    expected = expected_metadata()
+    expected = observation_contract()
     ours = expected["feather.obs_version"]
     theirs = metadata.get("feather.obs_version", "<missing>")
     for key, want in expected.items():
@@ -114,7 +105,7 @@ class OnnxPolicy:
             logger.warning("policy %s: %s is not available, running on %s", self.path, PROVIDERS[device], self.provider)
         self.metadata = dict(self._session.get_modelmeta().custom_metadata_map)
         check_metadata(self.path, self.metadata)
-        self.num_features = len(expected_metadata()["feather.feature_names"])
+        self.num_features = len(observation_contract()["feather.feature_names"])
         self._check_signature()
         self._obs = np.zeros((1, self.num_features), dtype=np.float32)
         self._logits = np.zeros((1, NUM_ACTIONS), dtype=np.float32)

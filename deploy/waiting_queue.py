@@ -3,8 +3,9 @@
 :class:`CHTWaitingQueue` implements vLLM's ``RequestQueue`` (the interface the v1 scheduler
 uses for ``self.waiting``). It keeps every request the scheduler hands it in a
 :class:`cache_core.cht.ChunkedHashTree`, fed with vLLM's own ``request.block_hashes`` (one
-digest per full KV block, already chained by vLLM; :func:`block_hash_digests` only reinterprets
-them as uint64, nothing is hashed twice).
+digest per full KV block, already chained by vLLM;
+:func:`cache_core.chunk_hash.block_hash_digests` only reinterprets them as uint64, nothing is
+hashed twice). The tree's chunk size is vLLM's hash block size, so one block is one chunk.
 
 vLLM's admission loop asks, per iteration: ``if not waiting: break``; ``waiting.peek_request()``;
 ... ``waiting.pop_request()``. While the scheduler holds the queue open for a step
@@ -27,31 +28,13 @@ Costs: add/remove/pop O(tree update); FCFS front O(1); best candidate O(tree ``f
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
-import numpy as np
 from vllm.v1.core.sched.request_queue import RequestQueue
 from vllm.v1.request import Request
 
-from cache_core.chunk_hash import chained_block_ids
-
-#: Bytes of a vLLM block hash used as its 64-bit id (sha256 / xxhash digests are uniform).
-_ID_BYTES = 8
-
-
-def block_hash_digests(block_hashes: Sequence[bytes]) -> np.ndarray:
-    """uint64 CHT digests of vLLM ``BlockHash`` values (vectorised, no re-hashing).
-
-    vLLM's block hashes are chained (each covers its whole prefix), so their first 8 bytes,
-    read as an integer id, go through :func:`cache_core.chunk_hash.chained_block_ids` like any
-    other precomputed chained id. All hashes of one engine have the same length.
-    """
-    if not block_hashes:
-        return np.empty(0, dtype=np.uint64)
-    raw = np.frombuffer(b"".join(block_hashes), dtype=np.uint8).reshape(len(block_hashes), -1)
-    ids = np.ascontiguousarray(raw[:, :_ID_BYTES]).view("<i8").ravel()
-    return chained_block_ids(ids)
+from cache_core.chunk_hash import block_hash_digests
 
 
 class CHTWaitingQueue(RequestQueue):
@@ -158,4 +141,5 @@ class CHTWaitingQueue(RequestQueue):
     def _enqueue(self, request: Request) -> None:
         self.finish_running(request)  # a preempted or resumable request leaves the running set
         self._fcfs[request.request_id] = request
-        self.tree.add(request.request_id, block_hash_digests(request.block_hashes))
+        chunk = self.tree.chunk_size
+        self.tree.add(request.request_id, block_hash_digests(request.block_hashes, chunk, chunk))

@@ -105,3 +105,17 @@ def build_observation(
         dtype=np.float32,
     )
     return normalise(raw)
+
+
+def observation_contract() -> dict[str, object]:
+    """This version's observation contract, keyed like an ONNX policy's ``feather.*`` metadata.
+
+    Values are decoded (lists and dicts); the exporter stores them JSON-encoded and the policy
+    runtime refuses a policy whose stored values differ from these.
+    """
+    return {
+        "feather.obs_version": OBS_VERSION,
+        "feather.feature_names": list(FEATURE_NAMES),
+        "feather.obs_normalization": {name: [float(o), float(s)] for name, (o, s) in OBS_NORMALIZATION.items()},
+        "feather.action_meanings": list(ACTION_MEANINGS),
+    }

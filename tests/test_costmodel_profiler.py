@@ -68,7 +68,12 @@ def test_tiny_profile_run_is_a_valid_measured_profile():
     assert rows[0]["unique_kv_tokens"] == 64 + 2 * 16 and rows[0]["total_kv_tokens"] == 2 * 80
     assert profile["settings"]["layer_scale"] == SHAPE.layers and profile["hardware"]["cores"] >= 1
     assert all(r["min_s"] <= r["median_s"] <= r["max_s"] and r["repeats"] == 2 for r in rows)
-    assert profile["settings"]["clock"] == "thread_time" and torch.get_num_threads() == threads_before
+    # One thread is the default and is timed in thread CPU time; after an in-process vLLM CPU
+    # engine (which disables torch.set_num_threads) the profile must say it ran multi-threaded.
+    vllm_disabled_threads = torch.set_num_threads.__name__ == "skip_set_num_threads"
+    assert profile["settings"]["threads"] == (threads_before if vllm_disabled_threads else 1)
+    expected_clock = "thread_time" if profile["settings"]["threads"] == 1 else "perf_counter"
+    assert profile["settings"]["clock"] == expected_clock and torch.get_num_threads() == threads_before
 
 
 @pytest.mark.parametrize("cached", [0, 9])

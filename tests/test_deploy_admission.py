@@ -18,7 +18,8 @@ from deploy.admission import FCFSAdmission, PolicyAdmission
 from deploy.policy_bench import vllm_request
 from deploy.policy_runtime import OnnxPolicy
 from deploy.scheduler import FeatherConfig, PolicyStartupError, build_admission
-from deploy.waiting_queue import CHTWaitingQueue, block_hash_digests
+from cache_core.chunk_hash import block_hash_digests
+from deploy.waiting_queue import CHTWaitingQueue
 
 BLOCK = 16
 
@@ -73,11 +74,11 @@ def policy_admission(path, running: Running, **kwargs) -> PolicyAdmission:
 def test_block_hash_digests_follow_vllm_prefixes():
     a = vllm_request("a", tokens(1, 2, 3), block_size=BLOCK, arrival_time=0.0)
     b = vllm_request("b", tokens(1, 2, 4), block_size=BLOCK, arrival_time=0.0)
-    da, db = block_hash_digests(a.block_hashes), block_hash_digests(b.block_hashes)
+    da, db = (block_hash_digests(r.block_hashes, BLOCK, BLOCK) for r in (a, b))
     assert da.dtype == np.uint64 and len(da) == 3
     np.testing.assert_array_equal(da[:2], db[:2])
     assert da[2] != db[2]
-    assert len(block_hash_digests([])) == 0
+    assert len(block_hash_digests([], BLOCK, BLOCK)) == 0
 
 
 def test_outside_the_admission_window_the_queue_is_fcfs():

@@ -93,14 +93,13 @@ def onnx_metadata(*, profile: str, workload: str | Sequence[str], trained_at: da
     a JSON list for a mix.
     """
     from feather_gym.envs import ENV_ID
-    from feather_gym.observation import ACTION_MEANINGS, FEATURE_NAMES, OBS_NORMALIZATION, OBS_VERSION
+    from feather_gym.observation import observation_contract
 
     trained_at = trained_at or datetime.now(timezone.utc)
+    contract = {key: value if isinstance(value, str) else json.dumps(value)
+                for key, value in observation_contract().items()}
     return {
-        "feather.obs_version": str(OBS_VERSION),
-        "feather.feature_names": json.dumps(list(FEATURE_NAMES)),
-        "feather.obs_normalization": json.dumps({name: [float(o), float(s)] for name, (o, s) in OBS_NORMALIZATION.items()}),
-        "feather.action_meanings": json.dumps(list(ACTION_MEANINGS)),
+        **contract,
         "feather.env_id": ENV_ID,
         "feather.profile": profile,
         "feather.workload": workload if isinstance(workload, str) else

@@ -336,8 +336,10 @@ def run_torch_profile(model: str, device: str = "cpu", *, quick: bool = False, p
     decode_points = decode_grid(quick, seed) if decode_points is None else decode_points
     prefill_points = prefill_grid(quick) if prefill_points is None else prefill_points
     previous_threads = torch.get_num_threads()
-    threads = threads or previous_threads
-    torch.set_num_threads(threads)
+    # An in-process vLLM CPU engine replaces torch.set_num_threads with a no-op, so record the
+    # thread count actually in effect, not the one asked for.
+    torch.set_num_threads(threads or previous_threads)
+    threads = torch.get_num_threads()
     try:
         runner = TorchStepRunner(shape, device, layers, seed)
         measurements = _measure(runner, decode_points, prefill_points, repeats, warmup, progress)
