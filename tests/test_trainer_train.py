@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -25,10 +26,12 @@ def private_ray(monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_tiny_training_run_exports_a_valid_policy(tmp_path, capsys):
+def test_tiny_training_run_exports_a_valid_policy(tmp_path, capsys, monkeypatch):
+    # A relative output folder, like the default runs/feather-<time>: RLlib needs absolute paths.
+    monkeypatch.chdir(tmp_path)
     config = TrainConfig(workloads=WORKLOADS, profile="h100", iterations=2, num_env_runners=0,
                          envs_per_env_runner=2, window_requests=32, train_batch_size=256, minibatch_size=128,
-                         num_epochs=1, hidden_sizes=(16,), eval_seeds=(10_001,), output_dir=tmp_path / "run")
+                         num_epochs=1, hidden_sizes=(16,), eval_seeds=(10_001,), output_dir=Path("run"))
     summary = train(config, progress=print)
     out = tmp_path / "run"
 
@@ -57,7 +60,7 @@ def test_tiny_training_run_exports_a_valid_policy(tmp_path, capsys):
     assert result_a["target"].startswith(">= best heuristic") and result_b["target"].endswith("x fcfs")
 
     # `feather-train export` of the checkpoint writes the same network with the run's labels.
-    assert main(["export", str(out / "checkpoint"), "-o", str(tmp_path / "again.onnx")]) == 0
+    assert main(["export", "run/checkpoint", "-o", "again.onnx"]) == 0
     again = onnx.load(tmp_path / "again.onnx")
     assert {p.key: p.value for p in again.metadata_props} == meta
     obs = np.random.default_rng(1).uniform(0, 2, (33, len(FEATURE_NAMES))).astype(np.float32)

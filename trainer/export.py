@@ -69,7 +69,7 @@ def load_policy_network(checkpoint: str | Path) -> PolicyLogits:
     """
     from ray.rllib.core.rl_module.rl_module import RLModule
 
-    checkpoint = Path(checkpoint)
+    checkpoint = Path(checkpoint).resolve()  # RLlib (pyarrow) rejects relative paths as URIs
     if not checkpoint.exists():
         raise FileNotFoundError(f"checkpoint {checkpoint} does not exist")
     module_dir = rl_module_path(checkpoint)
