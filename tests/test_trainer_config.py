@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from trainer.cli import build_train_parser, main
-from trainer.config import DEFAULT_WORKLOADS, TrainConfig, build_config, hardware_profile, load_config_file
+from feather_gym.costmodel import hardware_profile
+from trainer.config import DEFAULT_WORKLOADS, TrainConfig, build_config, load_config_file
 
 
 def flags(argv: list[str]) -> dict:

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import yaml
 
+from feather_gym.costmodel import hardware_profile
+
 #: The built-in mix: prefix sharing of several shapes plus a no-sharing control, so the policy
 #: learns both to form homogeneous batches and to keep batches full when nothing is shared.
 DEFAULT_WORKLOADS: tuple[str, ...] = (
@@ -111,24 +113,6 @@ class TrainConfig:
 
 _FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 _HINTS = typing.get_type_hints(TrainConfig)
-
-
-def hardware_profile() -> str:
-    """The shipped cost-model profile for this machine: the visible GPU's class, else ``cpu``."""
-    from feather_gym.costmodel import SHIPPED_PROFILES
-
-    try:
-        import torch
-
-        gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else ""
-    except ImportError:
-        gpu = ""
-    gpu = _alphanumeric(gpu)      # "NVIDIA RTX 6000 Ada Generation" -> "nvidiartx6000adageneration"
-    return next((name for name in SHIPPED_PROFILES if name != "cpu" and _alphanumeric(name) in gpu), "cpu")
-
-
-def _alphanumeric(text: str) -> str:
-    return "".join(ch for ch in text.lower() if ch.isalnum())
 
 
 def load_config_file(path: str | Path) -> dict:

@@ -29,6 +29,26 @@ SHIPPED_PROFILES = ("cpu", "h100", "h200", "a100", "rtx6000-ada")
 _EMPTY = DecodeBatch(0, 0, 0, 0)
 
 
+def hardware_profile() -> str:
+    """The shipped profile for this machine: the one named in the visible GPU's name, else ``cpu``.
+
+    ``"NVIDIA H200"`` -> ``"h200"``, ``"NVIDIA RTX 6000 Ada Generation"`` -> ``"rtx6000-ada"``
+    (names are compared on their letters and digits only). torch is imported lazily.
+    """
+    try:
+        import torch
+
+        gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else ""
+    except ImportError:
+        gpu = ""
+    gpu = _alphanumeric(gpu)
+    return next((name for name in SHIPPED_PROFILES if name != "cpu" and _alphanumeric(name) in gpu), "cpu")
+
+
+def _alphanumeric(text: str) -> str:
+    return "".join(ch for ch in text.lower() if ch.isalnum())
+
+
 @dataclass(frozen=True)
 class CostModel:
     """Step-time predictor for one model on one machine, with one attention variant.
