@@ -6,7 +6,7 @@ import pytest
 
 from trainer.cli import build_train_parser, main
 from feather_gym.costmodel import hardware_profile
-from trainer.config import DEFAULT_WORKLOADS, TrainConfig, build_config, load_config_file
+from trainer.config import TrainConfig, build_config, load_config_file
 
 
 def flags(argv: list[str]) -> dict:

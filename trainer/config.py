@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import tomllib
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
