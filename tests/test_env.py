@@ -9,7 +9,7 @@ from feather_gym.envs import ENV_ID, BatchFormationEnv
 from feather_gym.observation import FEATURE_NAMES
 
 CONFIG = {"workloads": ["prefix-groups:groups=3,num_requests=200,rate=50", "no-sharing:num_requests=200"],
-          "profile": "h200", "seed": 0, "window_requests": 24}
+          "profile": "h200", "seed": 0, "window_requests": 24, "max_decisions": 0}
 
 
 @pytest.fixture(scope="module")
@@ -59,12 +59,40 @@ def test_always_stop_still_terminates(env):
 
 
 def test_return_is_throughput_relative_to_fcfs():
-    """Without the wait term the return is (T - b * makespan) / L: positive iff faster than FCFS."""
+    """Without the wait term the return is 1 - makespan / fcfs_makespan: positive iff faster than FCFS."""
     env = BatchFormationEnv({**CONFIG, "wait_penalty": 0.0})
     for seed, policy in ((0, lambda obs: 1), (1, lambda obs: int(obs[0] < 0.1))):
         _, total, info = rollout(env, seed, policy)
         window = env._sim.trace
         tokens = sum(r.output_len for r in window)
-        expected = (tokens - info["fcfs_throughput_tok_s"] * info["makespan_s"]) / (tokens / len(window))
+        expected = (tokens - info["fcfs_throughput_tok_s"] * info["makespan_s"]) / tokens
+        assert expected == pytest.approx(1 - info["makespan_s"] / (tokens / info["fcfs_throughput_tok_s"]))
         assert total == pytest.approx(expected, rel=1e-6, abs=1e-6)
         assert (total > 1e-9) == (info["throughput_tok_s"] > info["fcfs_throughput_tok_s"] * (1 + 1e-9))
+
+
+def test_max_decisions_truncates_and_zero_means_no_limit():
+    limited = BatchFormationEnv({**CONFIG, "max_decisions": 5})
+    limited.reset(seed=3)
+    ends = [limited.step(0)[2:4] for _ in range(4)]          # decisions 2..5 of an always-STOP episode
+    assert ends[:3] == [(False, False)] * 3 and ends[3] == (False, True)
+    with pytest.raises(ValueError, match="max_decisions"):
+        BatchFormationEnv({**CONFIG, "max_decisions": -1})
+    trajectory, _, _ = rollout(BatchFormationEnv(CONFIG), 3, lambda obs: 0)   # rollout asserts never truncated
+    assert len(trajectory) > 5
+
+
+def test_admission_point_lets_a_baseline_act_in_the_env():
+    """The pending admission point is what the observation describes; None once the episode ends."""
+    from feather_gym.policies import make_policy
+
+    env = BatchFormationEnv(CONFIG)
+    assert env.admission_point is None
+    obs, _ = env.reset(seed=5)
+    rule = make_policy("feather-rule")
+    terminated = False
+    while not terminated:
+        point = env.admission_point
+        np.testing.assert_array_equal(point.observation, obs)
+        obs, _, terminated, _, _ = env.step(rule.decide(point))
+    assert env.admission_point is None

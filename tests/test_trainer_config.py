@@ -56,6 +56,7 @@ def test_config_file_errors_name_the_file_and_setting(tmp_path):
     (["--profile", "/nonexistent/profile.json"], "profile.json"),
     (["--iterations", "0"], "iterations: must be >= 1"),
     (["--resume", "/nonexistent/checkpoint"], "checkpoint directory /nonexistent/checkpoint does not exist"),
+    (["--warm-start", "fifo"], "warm_start: 'fifo' is not a baseline"),
 ])
 def test_bad_input_fails_fast_with_a_clear_error(tmp_path, capsys, argv, message):
     assert main(argv + ["--output", str(tmp_path / "out")]) == 2
@@ -78,3 +79,8 @@ def test_export_needs_checkpoint_and_output(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["export"])
     assert exit_info.value.code == 2 and "checkpoint" in capsys.readouterr().err
+
+
+def test_validation_and_evaluation_seeds_must_differ():
+    with pytest.raises(ValueError, match="disjoint"):
+        TrainConfig(eval_seeds=(1, 2), validation_seeds=(2, 3)).validate()

@@ -31,13 +31,20 @@ def test_tiny_training_run_exports_a_valid_policy(tmp_path, capsys, monkeypatch)
     monkeypatch.chdir(tmp_path)
     config = TrainConfig(workloads=WORKLOADS, profile="h100", iterations=2, num_env_runners=0,
                          envs_per_env_runner=2, window_requests=32, train_batch_size=256, minibatch_size=128,
-                         num_epochs=1, hidden_sizes=(16,), eval_seeds=(10_001,), output_dir=Path("run"))
+                         num_epochs=1, hidden_sizes=(16,), eval_seeds=(10_001,), validation_seeds=(20_001,),
+                         validate_every=1, output_dir=Path("run"))
     summary = train(config, progress=print)
     out = tmp_path / "run"
 
     progress = capsys.readouterr().out
     assert "iter    1 | env steps" in progress and "iter    2 |" in progress and "left ~" in progress
     assert summary["iterations"] == 2 and summary["env_steps"] >= 2 * 256
+    # Warm start from the Feather rule, then the greedy network validated before and after each iteration;
+    # the checkpoint is the best-validated one.
+    assert "warm start: cloned feather-rule" in progress and summary["warm_start"]["decisions"] > 0
+    assert [v["iteration"] for v in summary["validation"]["history"]] == [0, 1, 2]
+    assert "validation after iteration 2" in progress
+    assert summary["validation"]["best_iteration"] in (0, 1, 2)
 
     model = onnx.load(out / "policy.onnx")
     onnx.checker.check_model(model, full_check=True)

@@ -42,6 +42,8 @@ def build_train_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, help=f"training seed (default {defaults.seed})")
     parser.add_argument("--output", dest="output_dir", type=Path, help="output folder (default runs/feather-<UTC time>)")
     parser.add_argument("--resume", type=Path, metavar="CHECKPOINT", help="continue from an RLlib checkpoint")
+    parser.add_argument("--warm-start", metavar="BASELINE",
+                        help=f"baseline cloned into the network before PPO, or none (default {defaults.warm_start})")
     parser.add_argument("--ray-address", help="train on an existing Ray cluster (e.g. auto, ray://host:10001); "
                                               "default: start a local Ray")
     parser.add_argument("--json", action="store_true", help="print the run summary as one JSON object on the last line")

@@ -19,6 +19,7 @@ from pathlib import Path
 import yaml
 
 from feather_gym.costmodel import hardware_profile
+from feather_gym.envs import DEFAULT_CONFIG as ENV_DEFAULTS
 
 #: The built-in mix: prefix sharing of several shapes plus a no-sharing control, so the policy
 #: learns both to form homogeneous batches and to keep batches full when nothing is shared.
@@ -49,22 +50,28 @@ class TrainConfig:
     output_dir: Path | None = None          # None: runs/feather-<UTC timestamp>
     resume: Path | None = None              # an RLlib checkpoint directory of a previous run
     ray_address: str | None = None          # None: start a local Ray
-    # Episodes: the env's own settings. ``None`` keeps the env's default window (64 requests;
-    # whole 1000-request traces made CPU-profile episodes longer than 24k decisions, so no
-    # episode ended within the budget). The wait penalty is off: on overloaded traces every
-    # policy's waits pass any bound and the penalty swamps the throughput signal.
-    window_requests: int | None = None
+    # Episodes: the env's defaults (whole traces, as the evaluation runs them, truncated after
+    # ``max_decisions``; see feather_gym.envs.batch_formation.DEFAULT_CONFIG). The wait penalty
+    # is off: on overloaded traces every policy's waits pass any bound and it swamps the signal.
+    window_requests: int = ENV_DEFAULTS["window_requests"]
+    max_decisions: int = ENV_DEFAULTS["max_decisions"]
     wait_penalty: float = 0.0
+    # Warm start: the baseline distilled into the network before PPO (see trainer.warm_start);
+    # "none" starts PPO from a random network. Ignored when resuming.
+    warm_start: str = "feather-rule"
     # PPO (small on purpose: 9 features, 2 actions, 2 cores).
     hidden_sizes: tuple[int, ...] = (64, 64)
     train_batch_size: int = 4000
     minibatch_size: int = 1000
     num_epochs: int = 5
-    lr: float = 3e-4
+    lr: float = 1e-4
     gamma: float = 1.0                      # undiscounted: the env's return ranks policies by throughput
     gae_lambda: float = 1.0                 # Monte-Carlo advantages: with 0.95 the CPU-profile run drifted to STOP
     entropy_coeff: float = 0.0
-    # Evaluation on held-out seeds, disjoint from the training seeds.
+    # Validation (keeps the best checkpoint) and final evaluation, on seeds disjoint from each
+    # other and from the training seeds.
+    validation_seeds: tuple[int, ...] = (20_001, 20_002, 20_003)
+    validate_every: int = 20
     eval_seeds: tuple[int, ...] = (10_001, 10_002, 10_003)
 
     def resolved(self) -> "TrainConfig":
@@ -102,8 +109,18 @@ class TrainConfig:
             from trainer.export import load_policy_network
 
             load_policy_network(self.resume)                     # a corrupted checkpoint fails here, before Ray
-        if not self.eval_seeds:
-            raise ValueError("eval_seeds: at least one held-out seed is needed")
+        if self.warm_start != "none":
+            from feather_gym.policies import BASELINES
+
+            if self.warm_start not in BASELINES:
+                raise ValueError(f"warm_start: {self.warm_start!r} is not a baseline; choose none or one of "
+                                 f"{', '.join(BASELINES)}")
+        if not self.eval_seeds or not self.validation_seeds:
+            raise ValueError("eval_seeds and validation_seeds: at least one seed each is needed")
+        if set(self.eval_seeds) & set(self.validation_seeds):
+            raise ValueError("eval_seeds and validation_seeds must be disjoint (held-out means unseen)")
+        if self.validate_every < 1:
+            raise ValueError(f"validate_every: must be >= 1, got {self.validate_every}")
 
     def to_json(self) -> dict:
         """JSON-ready dict of all fields (paths as strings, tuples as lists)."""

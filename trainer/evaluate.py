@@ -25,49 +25,84 @@ TIE_TOLERANCE = 0.001
 SHARING_RATIO_MIN = 0.05
 
 
+class Benchmark:
+    """The baselines' mean throughputs on ``workloads`` x ``seeds`` under ``profile``, computed
+    once, against which any number of policies are then judged (the final evaluation judges the
+    exported file; training judges its current network on validation seeds to keep the best)."""
+
+    def __init__(self, *, workloads: Sequence[str], profile: str, seeds: Sequence[int]) -> None:
+        import traces
+        from feather_gym.costmodel import load_cost_model
+        from feather_gym.policies import BASELINES, make_policy
+        from feather_gym.simulator import EngineConfig, simulate, trace_digests
+        from traces.stats import trace_stats
+
+        self.profile, self.seeds = profile, list(seeds)
+        self.cost_model = load_cost_model(profile)
+        self._runs = {}          # spec -> [(trace, digests)] per seed
+        self.baselines = {}      # spec -> {baseline: mean throughput}
+        self.sharing_ratio = {}  # spec -> mean prefix sharing ratio
+        for spec in workloads:
+            runs = []
+            for seed in self.seeds:
+                trace = traces.resolve_workload(spec, seed=seed)
+                runs.append((trace, trace_digests(trace, EngineConfig.block_size)))
+            self._runs[spec] = runs
+            self.sharing_ratio[spec] = float(np.mean([trace_stats(trace)["prefix_sharing_ratio"] for trace, _ in runs]))
+            self.baselines[spec] = {name: float(np.mean([simulate(trace, self.cost_model, make_policy(name),
+                                                                  digests=digests).metrics()["throughput_tok_s"]
+                                                         for trace, digests in runs])) for name in BASELINES}
+
+    def throughput(self, spec: str, policy) -> float:
+        """Mean throughput (output tok/s) of ``policy`` (a :class:`feather_gym.policies.Policy`) on ``spec``."""
+        from feather_gym.simulator import simulate
+
+        return float(np.mean([simulate(trace, self.cost_model, policy, digests=digests).metrics()["throughput_tok_s"]
+                              for trace, digests in self._runs[spec]]))
+
+    def judge(self, spec: str, trained: float) -> dict:
+        """The per-workload result for a trained policy reaching ``trained`` tok/s on ``spec``.
+
+        ``margin`` is trained over the target's throughput: >= 1 (less the tie tolerance) meets it.
+        """
+        mean = {**self.baselines[spec], POLICY_LABEL: trained}
+        fcfs = mean["fcfs"]
+        sharing = self.sharing_ratio[spec] >= SHARING_RATIO_MIN
+        if sharing:
+            best = max((n for n in self.baselines[spec] if n not in REFERENCE_ONLY), key=mean.get)
+            target, needed, tolerance = f">= best heuristic ({best})", mean[best], TIE_TOLERANCE
+        else:
+            target, needed, tolerance = f">= {1 - NO_SHARING_TOLERANCE:.2f} x fcfs", (1 - NO_SHARING_TOLERANCE) * fcfs, 0.0
+        return {
+            "workload": spec,
+            "prefix_sharing_ratio": self.sharing_ratio[spec],
+            "throughput_tok_s": mean,
+            "ratio_to_fcfs": {name: value / fcfs for name, value in mean.items()},
+            "target": target,
+            "margin": trained / needed,
+            "target_met": bool(trained >= (1 - tolerance) * needed),
+        }
+
+    def evaluate(self, policy) -> dict:
+        """``{"profile", "seeds", "workloads": [judge(...) per workload]}`` for ``policy``."""
+        return {"profile": self.profile, "seeds": self.seeds,
+                "workloads": [self.judge(spec, self.throughput(spec, policy)) for spec in self._runs]}
+
+
+def validation_score(evaluation: dict) -> tuple[float, float]:
+    """How close an evaluation comes to meeting every target, for ranking checkpoints:
+    ``(worst margin, mean margin)`` compared in that order, the worst margin capped at 1 less
+    the tie tolerance (once every target is met, the mean margin decides)."""
+    margins = [result["margin"] for result in evaluation["workloads"]]
+    return min(min(margins), 1 - TIE_TOLERANCE), float(np.mean(margins))
+
+
 def evaluate_policy(policy_path: str | Path, *, workloads: Sequence[str], profile: str,
                     seeds: Sequence[int]) -> dict:
-    """``{"profile", "seeds", "workloads": [per-workload result]}``; each result holds the mean
-    ``throughput_tok_s`` and ``ratio_to_fcfs`` per policy, the target and whether it is met."""
-    return {
-        "profile": profile,
-        "seeds": list(seeds),
-        "workloads": [_evaluate_workload(str(policy_path), spec, profile, seeds) for spec in workloads],
-    }
+    """:meth:`Benchmark.evaluate` of the ONNX policy file ``policy_path``."""
+    from feather_gym.policies import make_policy
 
-
-def _evaluate_workload(policy_path: str, spec: str, profile: str, seeds: Sequence[int]) -> dict:
-    import traces
-    from feather_gym.costmodel import load_cost_model
-    from feather_gym.policies import BASELINES
-    from feather_gym.sim_cli import compare_policies
-    from traces.stats import trace_stats
-
-    cost_model = load_cost_model(profile)
-    names = [*BASELINES, policy_path]
-    throughput = {name: [] for name in names}
-    sharing_ratio = []
-    for seed in seeds:
-        trace = traces.resolve_workload(spec, seed=seed)
-        sharing_ratio.append(trace_stats(trace)["prefix_sharing_ratio"])
-        for name, metrics in compare_policies(trace, cost_model, names).items():
-            throughput[name].append(metrics["throughput_tok_s"])
-    mean = {(POLICY_LABEL if name == policy_path else name): float(np.mean(v)) for name, v in throughput.items()}
-    fcfs, trained = mean["fcfs"], mean[POLICY_LABEL]
-    sharing = float(np.mean(sharing_ratio)) >= SHARING_RATIO_MIN
-    if sharing:
-        best = max((n for n in mean if n not in (POLICY_LABEL, *REFERENCE_ONLY)), key=mean.get)
-        target, met = f">= best heuristic ({best})", trained >= (1 - TIE_TOLERANCE) * mean[best]
-    else:
-        target, met = f">= {1 - NO_SHARING_TOLERANCE:.2f} x fcfs", trained >= (1 - NO_SHARING_TOLERANCE) * fcfs
-    return {
-        "workload": spec,
-        "prefix_sharing_ratio": float(np.mean(sharing_ratio)),
-        "throughput_tok_s": mean,
-        "ratio_to_fcfs": {name: value / fcfs for name, value in mean.items()},
-        "target": target,
-        "target_met": bool(met),
-    }
+    return Benchmark(workloads=workloads, profile=profile, seeds=seeds).evaluate(make_policy(str(policy_path)))
 
 
 def format_table(evaluation: dict) -> str:

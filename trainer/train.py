@@ -1,15 +1,17 @@
 """Train the Feather ADD/STOP policy with RLlib PPO (new API stack) in the Feather gym.
 
 One run: start (or join) Ray, build PPO on ``feather_gym/BatchFormation-v0`` with the run's
-workload mix and cost-model profile, iterate until the budget is spent (printing a progress
-line per iteration and logging RLlib's metrics for TensorBoard), save an RLlib checkpoint,
+workload mix and cost-model profile, warm-start the network from a baseline
+(:mod:`trainer.warm_start`, the Feather rule by default), iterate until the budget is spent
+(printing a progress line per iteration and logging RLlib's metrics for TensorBoard), validate
+the greedy network every few iterations on validation seeds and keep the best checkpoint,
 export ``policy.onnx`` from it, evaluate it against every baseline on held-out seeds, and write
 the learning curve and a JSON summary. Output folder layout::
 
-    <output>/checkpoint/        RLlib checkpoint (+ feather_training.json: profile, workloads, date)
+    <output>/checkpoint/        best-validated RLlib checkpoint (+ feather_training.json: profile, workloads, date)
     <output>/policy.onnx        the exported policy (trainer.export contract)
     <output>/learning_curve.png
-    <output>/summary.json       config, history, timings, export parity, evaluation
+    <output>/summary.json       config, history, warm start, validation, timings, export parity, evaluation
     <output>/tensorboard/       RLlib result metrics as TensorBoard events
 """
 
@@ -26,12 +28,12 @@ from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 
+from feather_gym.policies import Policy
 from trainer.config import TrainConfig
 from trainer.logs import IterationRecord, RunLog
 
 RLLIB_ENV_NAME = "feather-batch-formation"
 TRAINING_INFO_FILE = "feather_training.json"   # inside the checkpoint: what export needs to label the policy
-VF_CLIP_PARAM = 1e4                             # returns-to-go over whole traces reach hundreds of units
 SEED_STRIDE = 1_000                             # env seed = seed + SEED_STRIDE * worker + vector index
 
 
@@ -69,7 +71,8 @@ def ray_session(address: str | None) -> Iterator[None]:
 def env_config(config: TrainConfig) -> dict:
     """The Feather env's settings for ``config`` (unset ones keep the env's defaults)."""
     settings = {"workloads": list(config.workloads), "profile": config.profile, "seed": config.seed,
-                "window_requests": config.window_requests, "wait_penalty": config.wait_penalty}
+                "window_requests": config.window_requests, "max_decisions": config.max_decisions,
+                "wait_penalty": config.wait_penalty}
     return {key: value for key, value in settings.items() if value is not None}
 
 
@@ -88,7 +91,7 @@ def build_algorithm(config: TrainConfig):
         .learners(num_learners=0)
         .training(train_batch_size_per_learner=config.train_batch_size, minibatch_size=config.minibatch_size,
                   num_epochs=config.num_epochs, lr=config.lr, gamma=config.gamma, lambda_=config.gae_lambda,
-                  entropy_coeff=config.entropy_coeff, vf_clip_param=VF_CLIP_PARAM)
+                  entropy_coeff=config.entropy_coeff)
         .rl_module(model_config=DefaultModelConfig(fcnet_hiddens=list(config.hidden_sizes),
                                                    fcnet_activation="tanh", vf_share_layers=False))
         .debugging(seed=config.seed)
@@ -104,8 +107,61 @@ def restore(algo, checkpoint: Path) -> None:
         raise ValueError(f"cannot resume from checkpoint {checkpoint}: {type(exc).__name__}: {exc}") from exc
 
 
-def train_loop(algo, config: TrainConfig, run_log: RunLog, *, progress: Callable[[str], None]) -> float:
-    """Call ``algo.train()`` until the iteration count or time budget is spent; returns seconds spent."""
+class NetworkPolicy(Policy):
+    """The network being trained, acting greedily on the CHT's candidates (validation only)."""
+
+    name = "network"
+
+    def __init__(self, module) -> None:
+        self.module = module
+
+    def decide(self, point) -> int:
+        import torch
+        from ray.rllib.core.columns import Columns
+
+        with torch.no_grad():
+            out = self.module.forward_inference({Columns.OBS: torch.from_numpy(point.observation[None])})
+        return int(out[Columns.ACTION_DIST_INPUTS][0].argmax())
+
+
+class BestCheckpoint:
+    """Keeps, in ``path``, the checkpoint whose greedy policy scored best on the validation seeds.
+
+    Score: :func:`trainer.evaluate.validation_score` (the worst workload's throughput over its
+    target, then the mean), so the kept policy is the one closest to meeting every target at
+    once. Needed because PPO's stochastic policy can improve while its greedy policy, the one
+    deployed, gets worse.
+    """
+
+    def __init__(self, algo, config: TrainConfig, path: Path) -> None:
+        from trainer.evaluate import Benchmark
+
+        self.algo, self.path = algo, path
+        self.benchmark = Benchmark(workloads=config.workloads, profile=config.profile, seeds=config.validation_seeds)
+        self.best_score = (-math.inf, -math.inf)
+        self.best_iteration: int | None = None
+        self.history: list[dict] = []
+
+    def validate(self, iteration: int) -> str:
+        """Score the current network; save the checkpoint when it is the best so far. Returns a log line."""
+        from ray.rllib.core import DEFAULT_MODULE_ID
+        from trainer.evaluate import validation_score
+
+        module = next(iter(self.algo.learner_group.foreach_learner(lambda learner: learner.module[DEFAULT_MODULE_ID]))).get()
+        worst, mean = score = validation_score(self.benchmark.evaluate(NetworkPolicy(module)))
+        self.history.append({"iteration": iteration, "worst_margin": worst, "mean_margin": mean})
+        kept = score > self.best_score
+        if kept:
+            self.best_score, self.best_iteration = score, iteration
+            self.algo.save_to_path(str(self.path.resolve()))
+        return (f"validation after iteration {iteration}: margin worst {worst:.4f} mean {mean:.4f}"
+                + (" (best so far, checkpoint saved)" if kept else f" (best at iteration {self.best_iteration})"))
+
+
+def train_loop(algo, config: TrainConfig, run_log: RunLog, best: BestCheckpoint, *,
+               progress: Callable[[str], None]) -> float:
+    """Call ``algo.train()`` until the iteration count or time budget is spent, validating every
+    ``config.validate_every`` iterations and after the last; returns seconds spent."""
     start = time.monotonic()
     done = 0
     while True:
@@ -121,6 +177,8 @@ def train_loop(algo, config: TrainConfig, run_log: RunLog, *, progress: Callable
             left = max(config.time_budget_s - elapsed, 0.0)
             finished = elapsed + per_iteration > config.time_budget_s
         progress(_progress_line(record, left))
+        if finished or done % config.validate_every == 0:
+            progress(best.validate(record.iteration))
         if finished:
             return elapsed
 
@@ -147,6 +205,7 @@ def train(config: TrainConfig, *, progress: Callable[[str], None] = print) -> di
     """Run the whole job of the module docstring; returns the summary (also in summary.json)."""
     from trainer.evaluate import evaluate_policy, format_table
     from trainer.export import export_policy_module, load_policy_network
+    from trainer.warm_start import warm_start
 
     config = config.resolved()
     config.validate()
@@ -160,13 +219,19 @@ def train(config: TrainConfig, *, progress: Callable[[str], None] = print) -> di
     with ray_session(config.ray_address), RunLog(out / "tensorboard") as run_log:
         algo = build_algorithm(config)
         try:
+            warm = None
             if config.resume:
                 restore(algo, config.resume)
                 progress(f"resumed from {config.resume}")
-            setup_s = time.monotonic() - job_start
-            train_s = train_loop(algo, config, run_log, progress=progress)
+            elif config.warm_start != "none":
+                warm = warm_start(algo, config.warm_start, env_config(config))
+                progress(f"warm start: cloned {warm['policy']} from {warm['decisions']:,} decisions "
+                         f"(accuracy {warm['accuracy']:.3f}, ADD share {warm['add_fraction']:.3f})")
             checkpoint = out / "checkpoint"
-            algo.save_to_path(str(checkpoint.resolve()))
+            best = BestCheckpoint(algo, config, checkpoint)
+            progress(best.validate(0))
+            setup_s = time.monotonic() - job_start
+            train_s = train_loop(algo, config, run_log, best, progress=progress)
         finally:
             algo.stop()
     trained_at = datetime.now(timezone.utc)
@@ -194,6 +259,9 @@ def train(config: TrainConfig, *, progress: Callable[[str], None] = print) -> di
         "history": run_log.history_json(),
         "checkpoint": str(checkpoint),
         "policy": str(policy_path),
+        "warm_start": warm,
+        "validation": {"seeds": list(config.validation_seeds), "best_iteration": best.best_iteration,
+                       "best_score": list(best.best_score), "history": best.history},
         "export_parity": parity,
         "evaluation": evaluation,
     }

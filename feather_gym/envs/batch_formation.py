@@ -17,11 +17,18 @@ from feather_gym.simulator import EngineConfig, Simulator, trace_digests
 #: trace of N requests offers about ``4 N / window_requests`` distinct windows, each built once.
 WINDOW_STARTS_PER_WINDOW = 4
 
+#: Defaults: whole traces (the generators make at most 1000 requests), because batch formation
+#: pays off only over many batches: on 64-request windows the Feather rule loses to always-ADD
+#: (0.93x on rtx6000-ada, 5 groups) where on the whole trace it wins (1.04x), so short windows
+#: reward the wrong policy. ``max_decisions`` bounds the episodes of STOP-heavy policies, far
+#: above a sane policy's (about 1,000-1,500 decisions per 1,000 requests): a truncated episode
+#: never shows the cost of starving a group (its late drain), so truncating early teaches starving.
 DEFAULT_CONFIG = {
     "workloads": ("prefix-groups",),
     "profile": "cpu",
     "seed": 0,
-    "window_requests": 64,
+    "window_requests": 1000,
+    "max_decisions": 25_000,
     "wait_bound_s": 10.0,
     "wait_penalty": 1.0,
     "token_budget": EngineConfig.token_budget,
@@ -64,15 +71,17 @@ class BatchFormationEnv(gym.Env):
     | 8   | oldest_wait_s             | wait of the earliest-arrived waiting request (s)     | 10    |
 
     ## Rewards
-    Per step, in units of the window's mean output length ``L``::
+    Per step, in units of the window's total output tokens ``T``::
 
-        r = (tokens emitted - b * elapsed_s - wait_penalty * excess_wait_s * b) / L
+        r = (tokens emitted - b * elapsed_s - wait_penalty * excess_wait_s * b) / T
 
     ``b`` is the throughput FCFS reaches on the same window (one FCFS simulation per window,
     cached), and ``excess_wait_s`` is the time admissions waited beyond ``wait_bound_s``.
-    Every request finishes within the episode, so without the wait term the return is
-    ``(T / L) * (1 - makespan / fcfs_makespan)``: positive exactly when the policy beats FCFS,
-    and returns rank policies as their end-to-end throughput on the window does.
+    Every request finishes within a terminated episode, so without the wait term the return is
+    ``1 - makespan / fcfs_makespan``: the share of FCFS's time the policy saves, positive
+    exactly when it beats FCFS; returns rank policies as their end-to-end throughput on the
+    window does, and stay of order 1 on windows of any size (value functions learn them at
+    ordinary learning rates).
 
     ## Starting State
     A window of ``window_requests`` consecutive requests of one of ``workloads`` (chosen, with
@@ -83,15 +92,17 @@ class BatchFormationEnv(gym.Env):
 
     ## Episode End
     Terminated when every request of the window has finished (the final observation is all
-    zeros). Never truncated: a policy that always STOPs still drains the batch, and an empty
-    batch admits without asking.
+    zeros); a policy that always STOPs still drains the batch, and an empty batch admits
+    without asking. Truncated after ``max_decisions`` decisions when that is positive (a
+    STOP-heavy policy asks about the same candidate every engine step, so early in training
+    whole-trace episodes can run to tens of thousands of decisions).
 
     ## Arguments
     ``gym.make("feather_gym/BatchFormation-v0", **config)`` or ``BatchFormationEnv(env_config)``
     (RLlib style); keys (defaults in ``DEFAULT_CONFIG``): ``workloads`` (workload specs for
     ``traces.resolve_workload``), ``profile`` (cost model name or file), ``seed`` (workload
     generation, and the episode stream unless ``reset(seed=...)``), ``window_requests``,
-    ``wait_bound_s``, ``wait_penalty``, ``token_budget``, ``max_num_seqs``.
+    ``max_decisions`` (0: no limit), ``wait_bound_s``, ``wait_penalty``, ``token_budget``, ``max_num_seqs``.
     """
 
     metadata = {"render_modes": []}
@@ -106,6 +117,8 @@ class BatchFormationEnv(gym.Env):
             raise ValueError("env_config 'workloads' needs at least one workload spec")
         if config["window_requests"] < 2:
             raise ValueError(f"window_requests must be >= 2, got {config['window_requests']}")
+        if config["max_decisions"] < 0:
+            raise ValueError(f"max_decisions must be >= 0 (0: no limit), got {config['max_decisions']}")
         self.config = config
         self.engine = EngineConfig(token_budget=config["token_budget"], max_num_seqs=config["max_num_seqs"])
         self.cost_model = load_cost_model(config["profile"])
@@ -116,6 +129,7 @@ class BatchFormationEnv(gym.Env):
         self.action_space = gym.spaces.Discrete(2)
         self._terminal_obs = np.zeros(len(FEATURE_NAMES), dtype=np.float32)
         self._sim = None
+        self._point = None
         self._seeded = False
 
     # ------------------------------------------------------------------ gym API
@@ -141,7 +155,16 @@ class BatchFormationEnv(gym.Env):
         reward = self._reward()
         if self._point is None:
             return self._terminal_obs, reward, True, False, self._final_info()
-        return self._point.observation, reward, False, False, {}
+        limit = self.config["max_decisions"]
+        truncated = 0 < limit <= sim.num_decisions
+        return self._point.observation, reward, False, truncated, {}
+
+    @property
+    def admission_point(self):
+        """The pending :class:`~feather_gym.simulator.AdmissionPoint` (None before reset and after
+        the episode ends): what a heuristic :class:`~feather_gym.policies.Policy` decides on, so
+        baselines can act in the env (the trainer's warm start records them this way)."""
+        return self._point
 
     # ------------------------------------------------------------------ episode
     def _start_episode(self):
@@ -157,7 +180,7 @@ class BatchFormationEnv(gym.Env):
         return self._sim.next_admission()
 
     def _window(self, w: int, start: int, size: int):
-        """``(trace, digests, fcfs_rate, mean_output_len)`` of a window, built once and cached.
+        """``(trace, digests, fcfs_rate, total_output_tokens)`` of a window, built once and cached.
 
         The trace is ``size`` requests from ``start`` with arrivals shifted to 0; the FCFS
         rate (output tokens/s) is one FCFS simulation of it.
@@ -173,8 +196,8 @@ class BatchFormationEnv(gym.Env):
             fcfs = Simulator(window, self.cost_model, FCFSOrder(), config=self.engine, digests=digests)
             while fcfs.next_admission() is not None:
                 fcfs.apply(ADD)
-            mean_output = sum(r.output_len for r in shifted) / size
-            self._windows[key] = (window, digests, fcfs.tokens_out / max(fcfs.now_s, 1e-9), mean_output)
+            total_output = sum(r.output_len for r in shifted)
+            self._windows[key] = (window, digests, fcfs.tokens_out / max(fcfs.now_s, 1e-9), total_output)
         return self._windows[key]
 
     def _reward(self) -> float:
