@@ -72,7 +72,7 @@ class TrainConfig:
     # other and from the training seeds.
     validation_seeds: tuple[int, ...] = (20_001, 20_002, 20_003)
     validate_every: int = 20
-    eval_seeds: tuple[int, ...] = (10_001, 10_002, 10_003)
+    eval_seeds: tuple[int, ...] = tuple(range(10_001, 10_011))   # 10: ratios differ by ~0.3% between 3-seed sets
 
     def resolved(self) -> "TrainConfig":
         """A copy with the hardware default profile and the default output folder filled in."""

@@ -62,8 +62,10 @@ class RunLog:
         return [{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in asdict(r).items()}
                 for r in self.history]
 
-    def plot_learning_curve(self, path: Path, *, title: str) -> None:
-        """Mean episode return against env steps, as a PNG (matplotlib Agg)."""
+    def plot_learning_curve(self, path: Path, *, title: str, validation: list[dict] = ()) -> None:
+        """A PNG (matplotlib Agg): mean episode return against env steps and, below it when given,
+        the ``validation`` history (``{"iteration", "worst_margin", "mean_margin"}`` rows of the
+        greedy network's throughput over its targets)."""
         import matplotlib
 
         matplotlib.use("Agg")
@@ -71,12 +73,24 @@ class RunLog:
 
         steps = [r.env_steps for r in self.history]
         returns = [r.episode_return_mean for r in self.history]
-        fig, ax = plt.subplots(figsize=(7, 4))
+        fig, axes = plt.subplots(2 if validation else 1, 1, figsize=(7, 6.5 if validation else 4), sharex=True,
+                                 squeeze=False)
+        ax = axes[0, 0]
         ax.plot(steps, returns, marker="o", markersize=3)
-        ax.set_xlabel("env steps sampled")
-        ax.set_ylabel("mean episode return")
+        ax.set_ylabel("mean episode return\n(share of FCFS time saved)")
         ax.set_title(title)
-        ax.grid(alpha=0.3)
+        if validation:
+            steps_at = {0: 0, **{r.iteration: r.env_steps for r in self.history}}
+            x = [steps_at.get(v["iteration"], math.nan) for v in validation]
+            low = axes[1, 0]
+            low.plot(x, [v["mean_margin"] for v in validation], marker="o", markersize=3, label="mean over workloads")
+            low.plot(x, [v["worst_margin"] for v in validation], marker="o", markersize=3, label="worst workload")
+            low.axhline(1.0, color="grey", linewidth=0.8)
+            low.set_ylabel("greedy policy, validation seeds:\nthroughput / target")
+            low.legend()
+        axes[-1, 0].set_xlabel("env steps sampled")
+        for row in axes:
+            row[0].grid(alpha=0.3)
         fig.tight_layout()
         fig.savefig(path, dpi=120)
         plt.close(fig)

@@ -148,7 +148,9 @@ class BestCheckpoint:
         from trainer.evaluate import validation_score
 
         module = next(iter(self.algo.learner_group.foreach_learner(lambda learner: learner.module[DEFAULT_MODULE_ID]))).get()
-        worst, mean = score = validation_score(self.benchmark.evaluate(NetworkPolicy(module)))
+        evaluation = self.benchmark.evaluate(NetworkPolicy(module))
+        score = validation_score(evaluation)
+        worst, mean = min(result["margin"] for result in evaluation["workloads"]), score[1]
         self.history.append({"iteration": iteration, "worst_margin": worst, "mean_margin": mean})
         kept = score > self.best_score
         if kept:
@@ -236,7 +238,8 @@ def train(config: TrainConfig, *, progress: Callable[[str], None] = print) -> di
             algo.stop()
     trained_at = datetime.now(timezone.utc)
     write_training_info(checkpoint, config, trained_at)
-    run_log.plot_learning_curve(out / "learning_curve.png", title=f"Feather PPO ({config.profile})")
+    run_log.plot_learning_curve(out / "learning_curve.png", title=f"Feather PPO ({config.profile})",
+                                validation=best.history)
 
     policy_path = out / "policy.onnx"
     parity = export_policy_module(load_policy_network(checkpoint), policy_path, profile=config.profile,
