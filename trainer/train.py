@@ -231,7 +231,7 @@ def train(config: TrainConfig, *, progress: Callable[[str], None] = print) -> di
                          f"(accuracy {warm['accuracy']:.3f}, ADD share {warm['add_fraction']:.3f})")
             checkpoint = out / "checkpoint"
             best = BestCheckpoint(algo, config, checkpoint)
-            progress(best.validate(0))
+            progress(best.validate(algo.iteration))   # 0, or the resumed checkpoint's iteration
             setup_s = time.monotonic() - job_start
             train_s = train_loop(algo, config, run_log, best, progress=progress)
         finally:
