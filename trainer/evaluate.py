@@ -34,7 +34,7 @@ class Benchmark:
         import traces
         from feather_gym.costmodel import load_cost_model
         from feather_gym.policies import BASELINES, make_policy
-        from feather_gym.simulator import EngineConfig, simulate, trace_digests
+        from feather_gym.simulator import EngineConfig, trace_digests
         from traces.stats import trace_stats
 
         self.profile, self.seeds = profile, list(seeds)
@@ -49,9 +49,7 @@ class Benchmark:
                 runs.append((trace, trace_digests(trace, EngineConfig.block_size)))
             self._runs[spec] = runs
             self.sharing_ratio[spec] = float(np.mean([trace_stats(trace)["prefix_sharing_ratio"] for trace, _ in runs]))
-            self.baselines[spec] = {name: float(np.mean([simulate(trace, self.cost_model, make_policy(name),
-                                                                  digests=digests).metrics()["throughput_tok_s"]
-                                                         for trace, digests in runs])) for name in BASELINES}
+            self.baselines[spec] = {name: self.throughput(spec, make_policy(name)) for name in BASELINES}
 
     def throughput(self, spec: str, policy) -> float:
         """Mean throughput (output tok/s) of ``policy`` (a :class:`feather_gym.policies.Policy`) on ``spec``."""
