@@ -1,6 +1,6 @@
 """The Chunked Hash Tree (CHT): prefix-aware request selection without tree walks.
 
-A request is the chain of its chunk digests (:mod:`cache_core.chunk_hash`): equal digests
+A request is the chain of its chunk digests (:mod:`traces.chunk_hash`): equal digests
 mean equal prefixes, so a digest names a trie node and its depth (the chunks it covers).
 The CHT keeps two maps keyed by digest:
 
@@ -55,7 +55,7 @@ from heapq import heapify, heappop, heappush
 
 import numpy as np
 
-from cache_core.chunk_hash import DEFAULT_CHUNK_SIZE, chained_chunk_hashes, request_chunk_hashes
+from traces.chunk_hash import DEFAULT_CHUNK_SIZE, chained_chunk_hashes, request_chunk_hashes
 
 #: Queue key of a request = ``num_chunks << _SEQ_BITS | seq``: ordered by length, then arrival
 #: (``seq`` counts adds: 2**40 per tree, 35 years at 1,000 requests/s).

@@ -23,7 +23,7 @@ from collections import deque
 
 import numpy as np
 
-from cache_core.chunk_hash import DEFAULT_CHUNK_SIZE, chained_chunk_hashes, request_chunk_hashes
+from traces.chunk_hash import DEFAULT_CHUNK_SIZE, chained_chunk_hashes, request_chunk_hashes
 from cache_core.cht import ChunkedHashTree
 
 MOONCAKE_TRACE = "mooncake_conversation_trace.jsonl"

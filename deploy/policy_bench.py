@@ -50,7 +50,7 @@ def bench_policy(policy_path: str, *, iterations: int = 20_000, waiting: int = 2
     """Decision-latency figures of the policy at ``policy_path`` (see the module docstring)."""
     from cache_core.cht import ChunkedHashTree
     from deploy.admission import PolicyAdmission
-    from deploy.policy_runtime import OnnxPolicy
+    from feather_gym.policy_runtime import OnnxPolicy
     from deploy.waiting_queue import CHTWaitingQueue
     from traces import generate
 

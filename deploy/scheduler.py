@@ -42,7 +42,7 @@ from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 
 from cache_core.cht import ChunkedHashTree  # noqa: E402
 from deploy.admission import DEFAULT_MAX_WAIT_S, Admission, FCFSAdmission, PolicyAdmission  # noqa: E402
-from deploy.policy_runtime import OnnxPolicy  # noqa: E402
+from feather_gym.policy_runtime import OnnxPolicy  # noqa: E402
 from deploy.waiting_queue import CHTWaitingQueue  # noqa: E402
 
 logger = logging.getLogger(__name__)

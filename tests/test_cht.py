@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import xxhash
 
-from cache_core.chunk_hash import (
+from traces.chunk_hash import (
     DEFAULT_CHUNK_SIZE,
     block_hash_digests,
     chained_block_ids,

@@ -16,9 +16,9 @@ import deploy_policies as policies
 from cache_core.cht import ChunkedHashTree
 from deploy.admission import FCFSAdmission, PolicyAdmission
 from deploy.policy_bench import vllm_request
-from deploy.policy_runtime import OnnxPolicy
+from feather_gym.policy_runtime import OnnxPolicy
 from deploy.scheduler import FeatherConfig, PolicyStartupError, build_admission
-from cache_core.chunk_hash import block_hash_digests
+from traces.chunk_hash import block_hash_digests
 from deploy.waiting_queue import CHTWaitingQueue
 
 BLOCK = 16

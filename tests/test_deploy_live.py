@@ -28,7 +28,7 @@ def files(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(files):
-    from deploy.serve_bench import start_engine
+    from feather_gym.vllm_engine import start_engine
 
     return start_engine(max_model_len=1024, scheduler_cls="deploy.scheduler.FeatherScheduler",
                         additional_config={"feather": {"policy": str(files["untrained"])}})

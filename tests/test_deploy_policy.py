@@ -7,7 +7,7 @@ import logging
 import numpy as np
 import pytest
 
-from deploy.policy_runtime import OnnxPolicy, PolicyLoadError, PolicyOutputError
+from feather_gym.policy_runtime import OnnxPolicy, PolicyLoadError, PolicyOutputError
 from deploy.vllm_compat import require_supported_vllm
 from feather_gym.observation import FEATURE_NAMES, OBS_VERSION
 import deploy_policies as policies
@@ -63,7 +63,7 @@ def test_unusable_policy_files_are_refused(files, name, error, message):
 
 
 def test_cuda_only_when_available(files, caplog):
-    with caplog.at_level(logging.WARNING, logger="deploy.policy_runtime"):
+    with caplog.at_level(logging.WARNING, logger="feather_gym.policy_runtime"):
         policy = OnnxPolicy(files["add"], device="cuda")
     if policy.provider != "CUDAExecutionProvider":       # no usable GPU here: CPU, with a warning
         assert policy.provider == "CPUExecutionProvider"

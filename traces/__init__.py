@@ -1,6 +1,6 @@
 """The workload layer: requests and traces, trace files, generators and statistics.
 
-Public names (see INTERFACES.md): :class:`Request`, :class:`Trace`, :func:`load_trace`,
+Public names: :class:`Request`, :class:`Trace`, :func:`load_trace`,
 :func:`write_trace`, :class:`TraceFormatError`, :func:`generate`, :data:`GENERATOR_KINDS`,
 :func:`resolve_workload`, :func:`shared_trace_path`. Statistics: :mod:`traces.stats`.
 """

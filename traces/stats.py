@@ -1,6 +1,6 @@
 """Trace statistics: lengths, rate, and the prefix structure a prefix cache would see.
 
-Prefix identity is the chained block digest of :func:`cache_core.chunk_hash.request_chunk_hashes`
+Prefix identity is the chained block digest of :func:`traces.chunk_hash.request_chunk_hashes`
 (only full blocks count; a trailing partial block is never shared, as in vLLM). Requests are
 replayed in arrival order against a block cache:
 
@@ -18,7 +18,7 @@ from collections import Counter, OrderedDict
 
 import numpy as np
 
-from cache_core.chunk_hash import request_chunk_hashes
+from traces.chunk_hash import request_chunk_hashes
 from traces.request import Trace
 
 PERCENTILES = (50, 90, 99)

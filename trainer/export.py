@@ -1,6 +1,6 @@
 """Export the Feather policy network to ONNX, the one file the simulator and vLLM load.
 
-The file contract (see the project's INTERFACES): one input ``obs``, float32 ``[N, F]`` with a
+The file contract: one input ``obs``, float32 ``[N, F]`` with a
 dynamic ``N`` and ``F = len(FEATURE_NAMES)``, already normalised; one output ``action_logits``,
 float32 ``[N, 2]`` (index 0 STOP, 1 ADD); opset >= 17; ``onnx.checker`` clean; metadata_props
 describing the observation (version, feature names, normalisation), the actions, the env, and the

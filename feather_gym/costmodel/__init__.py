@@ -1,6 +1,6 @@
 """Cost model of an LLM engine step: profile real decode steps, fit a physically shaped model.
 
-Public API (INTERFACES.md): :class:`DecodeBatch`, :class:`CostModel`, :func:`load_cost_model`,
+Public API: :class:`DecodeBatch`, :class:`CostModel`, :func:`load_cost_model`,
 :data:`SHIPPED_PROFILES`, :func:`hardware_profile`. Profiling backends (torch, vllm) and the CLI import torch/vllm lazily.
 """
 

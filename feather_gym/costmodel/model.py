@@ -20,7 +20,7 @@ from typing import Mapping
 
 from .features import COLUMNS, DecodeBatch, step_features
 from .fit import fit_rows, measurement_rows
-from .profile_io import load_profile
+from .profile_io import load_profile, profile_block_size
 from .shapes import ModelShape
 
 PROFILE_DIR = Path(__file__).parent / "profiles"
@@ -54,7 +54,8 @@ class CostModel:
     """Step-time predictor for one model on one machine, with one attention variant.
 
     ``coefficients`` maps each of :data:`features.COLUMNS` to seconds per unit (>= 0).
-    ``cache_bytes`` is the effective cache size of the locality term.
+    ``cache_bytes`` is the effective cache size of the locality term. ``block_size`` is the
+    engine's KV block size in tokens (the simulator's block and CHT chunk size).
     """
 
     name: str
@@ -63,6 +64,7 @@ class CostModel:
     coefficients: Mapping[str, float]
     cache_bytes: float
     kv_cache_bytes: int
+    block_size: int
     kind: str = "measured"
     _vector: tuple[float, ...] = field(init=False, repr=False)
 
@@ -70,6 +72,8 @@ class CostModel:
         missing = set(COLUMNS) - set(self.coefficients)
         if missing:
             raise ValueError(f"cost model {self.name!r}: coefficients missing {sorted(missing)}")
+        if self.block_size < 1:
+            raise ValueError(f"cost model {self.name!r}: block_size must be >= 1, got {self.block_size}")
         if any(self.coefficients[c] < 0 for c in COLUMNS):
             raise ValueError(f"cost model {self.name!r}: coefficients must be non-negative")
         object.__setattr__(self, "coefficients", MappingProxyType(dict(self.coefficients)))
@@ -108,7 +112,7 @@ class CostModel:
             "kv_dram_bytes_s": rate("kv_dram_bytes"), "kv_hit_bytes_s": rate("kv_hit_bytes"),
             "attn_flops_s": rate("attn_flops"), "prefill_token_us": c["prefill_tokens"] * 1e6,
             "prefill_attn_flops_s": rate("prefill_attn_flops"), "cache_bytes_effective": self.cache_bytes,
-            "kv_capacity_tokens": self.kv_capacity_tokens,
+            "kv_capacity_tokens": self.kv_capacity_tokens, "block_size": self.block_size,
         }
 
 
@@ -134,7 +138,7 @@ def cost_model_from_profile(profile: dict, *, cascade: bool = False) -> CostMode
             raise ValueError(f"profile {profile['name']!r} has no {'cascade' if cascade else 'per_request'} decode measurements")
         coefficients, cache_bytes = fit_rows(rows, shape, profile["hardware"]["cache_bytes"], cascade)
     return CostModel(profile["name"], shape, cascade, coefficients, cache_bytes,
-                     profile["kv_cache_bytes"], profile["kind"])
+                     profile["kv_cache_bytes"], profile_block_size(profile), profile["kind"])
 
 
 def load_cost_model(name_or_path: str | Path, *, cascade: bool = False) -> CostModel:

@@ -12,6 +12,8 @@ Schema ``feather-profile/1``::
     model           ModelShape fields (shapes.py)
     settings        free-form run settings (layers profiled, scaling, repeats, notes)
     kv_cache_bytes  bytes given to the KV cache (CostModel.kv_capacity_tokens derives from it)
+    block_size      (optional) the engine's KV block size in tokens; absent: ENGINE_BLOCK_SIZE of
+                    hardware.device (vLLM's defaults: 128 on the CPU platform, 16 on CUDA)
     measurements    (measured) list of rows, see below
     coefficients    (analytic) {"per_request": {column: value}, "cascade": {...}}, units of features.COLUMNS
     cache_bytes_effective  (analytic) cache bytes the locality term uses
@@ -33,6 +35,8 @@ from .features import COLUMNS
 from .shapes import ModelShape
 
 PROFILE_SCHEMA = "feather-profile/1"
+#: vLLM's default KV block size per device (tokens): a profile without ``block_size`` takes its device's.
+ENGINE_BLOCK_SIZE = {"cpu": 128, "cuda": 16}
 ATTENTION_VARIANTS = ("per_request", "cascade")
 STAT_FIELDS = ("median_s", "mean_s", "std_s", "min_s", "max_s")
 _DECODE_FIELDS = ("batch_size", "num_groups", "shared_prefix_tokens", "unique_tokens_per_request",
@@ -100,6 +104,8 @@ def validate_profile(profile: dict, source: str = "<profile>") -> dict:
     check.get(profile, "software", dict, "")
     check.get(profile, "settings", dict, "")
     check.count(profile, "kv_cache_bytes", "", minimum=1)
+    if "block_size" in profile:
+        check.count(profile, "block_size", "", minimum=1)
     try:
         ModelShape.from_dict(check.get(profile, "model", dict, ""))
     except (TypeError, ValueError) as exc:
@@ -134,6 +140,11 @@ def validate_profile(profile: dict, source: str = "<profile>") -> dict:
             check.fail(f"{where}.median_s", "must be > 0")
         check.count(row, "repeats", where, minimum=1)
     return profile
+
+
+def profile_block_size(profile: dict) -> int:
+    """The engine KV block size (tokens) of a validated profile: its ``block_size``, else its device's."""
+    return int(profile.get("block_size") or ENGINE_BLOCK_SIZE[profile["hardware"]["device"]])
 
 
 def load_profile(path: str | Path) -> dict:

