@@ -10,6 +10,17 @@ Each scheduling step, as a server would run it with W waiting and a full running
 oldest running request, and a new arrival is added so W stays constant. Single calls are
 timed with ``perf_counter_ns`` (which adds ~0.05 µs), with the garbage collector off as
 ``timeit`` does. Numbers are printed, never asserted.
+
+Against SGLang's LPM (:mod:`cache_core.lpm_baseline`), twice:
+
+* at W = ``--lpm-waiting`` (5,000): one LPM pass against one CHT decision. SGLang itself runs
+  FCFS there (LPM only while at most :data:`SGLANG_LPM_MAX_WAITING` requests wait); the figure
+  says what LPM would cost at that size.
+* per scheduling round at each W of ``--lpm-round-waiting`` (at most 128, where SGLang does run
+  LPM): SGLang's round is one LPM pass over the queue (its radix tree kept across passes, as
+  the server keeps it); the CHT's round decides and activates each request it admits, timed
+  for a round admitting one request and one admitting all W (the least and the most CHT work
+  a round can take). SGLang's per-admission work is not counted: that favours SGLang.
 """
 
 from __future__ import annotations
@@ -27,6 +38,8 @@ from traces.chunk_hash import DEFAULT_CHUNK_SIZE, chained_chunk_hashes, request_
 from cache_core.cht import ChunkedHashTree
 
 MOONCAKE_TRACE = "mooncake_conversation_trace.jsonl"
+#: SGLang's scheduler runs LPM only while the waiting queue holds at most this many requests, FCFS above.
+SGLANG_LPM_MAX_WAITING = 128
 TARGETS = {"add_10k_us": 50.0, "find_best_w20000_us_p50": 5.0, "activate_finish_10k_us": 50.0, "lpm_speedup_x": 1000.0}
 
 
@@ -44,7 +57,12 @@ def register(commands) -> None:
     parser.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE)
     parser.add_argument("--batch", type=int, default=64, help="running batch size (default 64)")
     parser.add_argument("--steps", type=int, default=2000, help="scheduling steps timed per W (default 2000)")
-    parser.add_argument("--lpm-waiting", type=int, default=5000, help="W of the SGLang LPM comparison (default 5000)")
+    parser.add_argument("--lpm-waiting", type=int, default=5000,
+                        help="W of the per-decision SGLang LPM comparison (default 5000)")
+    parser.add_argument("--lpm-round-waiting", type=_int_list, default=[32, 64, 128],
+                        help=f"comma-separated W (<= {SGLANG_LPM_MAX_WAITING}) of the per-round SGLang LPM "
+                             "comparison (default 32,64,128)")
+    parser.add_argument("--round-repeats", type=int, default=21, help="timed rounds per W and side (default 21)")
     parser.add_argument("--long-prompts", type=int, default=1000,
                         help="10K-token prompts for add/activate/finish and the chunk-size sweep (default 1000)")
     parser.add_argument("--no-trace", action="store_true", help="skip the Mooncake trace run")
@@ -221,24 +239,68 @@ def bench_chunk_sizes(args, count: int, sizes=(16, 32, 64, 128, 256, 512)) -> li
     return rows
 
 
-def bench_lpm(cht: ChunkedHashTree, running: list[list[int]], waiting: list[list[int]]) -> dict:
-    """One SGLang LPM pass over the waiting queue vs one CHT decision, same running set."""
-    from cache_core.lpm_baseline import RadixCache, lpm_pass
+def radix_cache(running: list[list[int]]):
+    """SGLang's radix cache holding the ``running`` prompts."""
+    from cache_core.lpm_baseline import RadixCache
 
     cache = RadixCache()
     for prompt in running:
         cache.insert(prompt)
-    start = time.perf_counter_ns()
-    lpm_pass(cache, waiting)
-    lpm_us = (time.perf_counter_ns() - start) / 1e3
-    decisions = []
-    for _ in range(1000):
-        start = time.perf_counter_ns()
-        cht.candidate_stats(cht.find_best())
-        decisions.append(time.perf_counter_ns() - start)
-    decision_us = _us(decisions, 50)
+    return cache
+
+
+def one_decision(cht: ChunkedHashTree) -> None:
+    """One CHT decision: the best candidate and its observation features."""
+    cht.candidate_stats(cht.find_best())
+
+
+def admit(cht: ChunkedHashTree, limit: int) -> None:
+    """The CHT's side of a scheduling round: decide and activate up to ``limit`` candidates."""
+    for _ in range(limit):
+        best = cht.find_best()
+        if best is None:
+            return
+        cht.candidate_stats(best)
+        cht.activate(best)
+
+
+def bench_lpm(cht: ChunkedHashTree, running: list[list[int]], waiting: list[list[int]]) -> dict:
+    """One SGLang LPM pass over the waiting queue vs one CHT decision, same running set."""
+    from cache_core.lpm_baseline import lpm_pass
+
+    lpm_us = _timed(lpm_pass, radix_cache(running), waiting) / 1e3
+    decision_us = _us([_timed(one_decision, cht) for _ in range(1000)], 50)
     return {"waiting": len(waiting), "running": len(running), "lpm_pass_us": round(lpm_us, 1),
             "cht_decision_us_p50": decision_us, "speedup_x": round(lpm_us / decision_us, 1)}
+
+
+def bench_lpm_rounds(args, waiting: int) -> list[dict]:
+    """Per scheduling round at W = ``waiting`` (see the module docstring), for two running sets of
+    ``--batch`` requests: the first ones the CHT picks (few groups) and the first arrivals (FCFS)."""
+    from cache_core.lpm_baseline import lpm_pass
+
+    prompts = PrefixGroupPrompts(args.seed, args.groups, args.prefix_tokens, args.suffix_tokens)
+    log: dict[int, tuple] = {}
+    digests, _ = hashed_prompts(prompts, args.batch + waiting, args.chunk_size, log)
+    rows = []
+    for running_set in ("cht_batch", "fcfs_batch"):
+        def build() -> ChunkedHashTree:
+            cht = ChunkedHashTree(args.chunk_size)
+            fill(cht, digests)
+            for i in range(args.batch):
+                cht.activate(cht.find_best() if running_set == "cht_batch" else i)
+            return cht
+
+        cht = build()
+        cache = radix_cache([prompts.token_list(log[i]) for i in cht.running_ids()])
+        queue = [prompts.token_list(log[i]) for i in cht.waiting_ids()]
+        lpm_us = _us([_timed(lpm_pass, cache, queue) for _ in range(args.round_repeats)], 50)
+        row = {"waiting": waiting, "running": args.batch, "running_set": running_set, "lpm_pass_us_p50": lpm_us}
+        for admitted, limit in (("one", 1), ("all", waiting)):
+            cht_us = _us([_timed(admit, build(), limit) for _ in range(args.round_repeats)], 50)
+            row |= {f"cht_round_{admitted}_us_p50": cht_us, f"speedup_x_{admitted}": round(lpm_us / cht_us, 2)}
+        rows.append(row)
+    return rows
 
 
 def bench_mooncake(args) -> dict | None:
@@ -260,8 +322,12 @@ def bench_mooncake(args) -> dict | None:
 
 
 def run(args) -> int:
-    if min(args.chunk_size, args.batch, args.steps, args.lpm_waiting, args.long_prompts) < 1:
-        raise ValueError("--chunk-size, --batch, --steps, --lpm-waiting and --long-prompts must be >= 1")
+    if min(args.chunk_size, args.batch, args.steps, args.lpm_waiting, args.long_prompts, args.round_repeats) < 1:
+        raise ValueError("--chunk-size, --batch, --steps, --lpm-waiting, --long-prompts and --round-repeats "
+                         "must be >= 1")
+    if max(args.lpm_round_waiting) > SGLANG_LPM_MAX_WAITING:
+        raise ValueError(f"--lpm-round-waiting: SGLang runs LPM only up to W={SGLANG_LPM_MAX_WAITING}, "
+                         f"got {max(args.lpm_round_waiting)}")
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
@@ -288,6 +354,8 @@ def measure(args) -> dict:
             groups.append(result)
         gc.collect()
     report["prefix_groups"] = groups
+    report["lpm_vs_cht_rounds"] = [row for waiting in args.lpm_round_waiting for row in bench_lpm_rounds(args, waiting)]
+    gc.collect()
     report["prompts_10k"] = bench_10k_prompts(args, args.long_prompts)
     report["chunk_size_sweep_10k"] = bench_chunk_sizes(args, max(args.long_prompts // 3, 1))
     report["mooncake"] = None if args.no_trace else bench_mooncake(args)
@@ -324,9 +392,17 @@ def print_table(report: dict) -> None:
     print("chunk size sweep (10K-token add p50 with hashing, µs): " + ", ".join(
         f"{row['chunk_size_tokens']}: {row['add_with_hash_us_p50']:.1f}" for row in report["chunk_size_sweep_10k"]))
     for lpm in report["lpm_vs_cht"]:
-        print(f"SGLang LPM pass at W={lpm['waiting']} ({lpm['running']} running, {lpm['running_set']}): "
-              f"{lpm['lpm_pass_us'] / 1e3:.1f} ms vs CHT decision {lpm['cht_decision_us_p50']:.2f} µs: "
-              f"{lpm['speedup_x']:.0f}x")
+        print(f"SGLang LPM pass at W={lpm['waiting']} ({lpm['running']} running, {lpm['running_set']}; SGLang "
+              f"runs FCFS above W={SGLANG_LPM_MAX_WAITING}): {lpm['lpm_pass_us'] / 1e3:.1f} ms vs CHT decision "
+              f"{lpm['cht_decision_us_p50']:.2f} µs: {lpm['speedup_x']:.0f}x")
+    print(f"per scheduling round at W <= {SGLANG_LPM_MAX_WAITING}, where SGLang runs LPM (p50 µs; SGLang: one LPM "
+          f"pass; CHT: decide + activate each admitted request; x = LPM pass / CHT round):")
+    print(f"{'W':>5} {'running set':>12} {'LPM pass':>10} {'CHT, 1 admitted':>16} {'x':>8} "
+          f"{'CHT, all W admitted':>20} {'x':>7}")
+    for row in report["lpm_vs_cht_rounds"]:
+        print(f"{row['waiting']:>5} {row['running_set']:>12} {row['lpm_pass_us_p50']:>10.1f} "
+              f"{row['cht_round_one_us_p50']:>16.1f} {row['speedup_x_one']:>7.1f}x "
+              f"{row['cht_round_all_us_p50']:>20.1f} {row['speedup_x_all']:>6.2f}x")
     moon = report["mooncake"]
     if moon is None:
         print(f"Mooncake trace: skipped (--no-trace, or {MOONCAKE_TRACE} not found by traces.shared_trace_path)")

@@ -1,4 +1,4 @@
-"""Who is admitted next, and whether at all: FCFS, or the Feather policy with its safety rules.
+"""Who is admitted next, and whether at all: FCFS, or a Feather policy with its safety rules.
 
 An :class:`Admission` answers ``next_admission(queue)`` at each decision point of vLLM's
 admission loop (see :mod:`deploy.waiting_queue`): the request to admit next, or ``None`` to
@@ -8,21 +8,26 @@ STOP admitting for this engine step.
 implementation      behaviour
 ==================  ===========================================================================
 FCFSAdmission       the queue's FCFS head, always ADD: the order of vLLM's default scheduler
-PolicyAdmission     the CHT's best candidate; the ONNX policy decides ADD/STOP on its observation
+PolicyAdmission     the CHT's best candidate; a deployable :class:`feather_gym.policies.Policy`
+                    (the Feather rule, or a trained ONNX policy) decides ADD/STOP on it
 ==================  ===========================================================================
 
-:class:`PolicyAdmission` rules, in order (each documented as an invariant):
+:class:`PolicyAdmission` is the scheduler's :class:`~feather_gym.observation.AdmissionView`,
+so the policy reads the observation the simulator builds, from the same function. Its rules, in
+order, are the simulator's (:mod:`feather_gym.simulator`, step 3):
 
 1. A resumed request (preempted/skipped by vLLM, admitted before) is taken first, without a
    decision, as vLLM does.
 2. No starvation: when the FCFS head has waited ``max_wait_s`` or more, it is admitted
    (this overrides both the CHT order and a STOP).
-3. No idling: with nothing running, the best candidate is admitted (a STOP would leave the
+3. A full batch (``max_num_seqs`` running) ends admission without a decision, as vLLM's next
+   check would.
+4. No idling: with nothing running, the best candidate is admitted (a STOP would leave the
    engine with no work).
-4. A policy that raises or returns NaN makes the rest of this engine step FCFS; the engine
-   keeps serving, and the fallback is counted in :class:`AdmissionStats` and logged (the first
-   time and at every power of two).
-5. Otherwise the policy's greedy action on the candidate's observation is the answer.
+5. The policy's answer on the candidate. Only the policy call is guarded: when it raises (a
+   non-finite output, a broken runtime), the rest of this engine step is FCFS; the engine keeps
+   serving, and the fallback is counted in :class:`AdmissionStats` and logged (the first time
+   and at every power of two). A failure while building the observation is a bug and raises.
 """
 
 from __future__ import annotations
@@ -33,12 +38,10 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-from feather_gym.observation import build_observation
+from feather_gym.observation import DecisionPoint
+from feather_gym.policies import DEFAULT_MAX_WAIT_S
 
 logger = logging.getLogger(__name__)
-
-#: Default waiting-time bound (seconds) after which the oldest request is admitted regardless.
-DEFAULT_MAX_WAIT_S = 10.0
 
 
 @dataclass
@@ -50,8 +53,8 @@ class AdmissionStats:
     stops: int = 0              # ... and answered STOP
     forced_resumed: int = 0     # rule 1
     forced_wait: int = 0        # rule 2 (waiting-time bound overrode the policy)
-    forced_idle: int = 0        # rule 3
-    fallbacks: int = 0          # rule 4: policy raised or returned NaN
+    forced_idle: int = 0        # rule 4
+    fallbacks: int = 0          # rule 5: the policy call raised
     fcfs_admissions: int = 0    # admissions decided FCFS after a fallback in the same step
     policy_ns: int = 0          # wall time spent building observations and running the policy
 
@@ -82,51 +85,83 @@ class FCFSAdmission(Admission):
 
 
 class PolicyAdmission(Admission):
-    """The CHT candidate, admitted when ``policy.decide(observation)`` says ADD (rules in module doc).
+    """The CHT candidate, admitted when ``policy.decide(point)`` says ADD (rules in module doc).
 
-    ``num_running`` and ``kv_usage`` read the scheduler live (requests running including those
-    admitted this step; fraction of KV blocks in use). ``clock`` is the clock of vLLM's
-    ``request.arrival_time`` (wall time).
+    ``policy`` is a deployable :class:`feather_gym.policies.Policy`. ``num_running`` and
+    ``kv_usage`` read the scheduler live (requests running including those admitted this step;
+    fraction of KV blocks in use); ``max_num_seqs`` is the scheduler's running limit. ``clock``
+    is the clock of vLLM's ``request.arrival_time`` (wall time).
     """
 
     def __init__(self, policy, *, num_running: Callable[[], int], kv_usage: Callable[[], float],
-                 max_wait_s: float = DEFAULT_MAX_WAIT_S, clock: Callable[[], float] = time.time) -> None:
+                 max_num_seqs: int, max_wait_s: float = DEFAULT_MAX_WAIT_S,
+                 clock: Callable[[], float] = time.time) -> None:
         if not max_wait_s >= 0:
             raise ValueError(f"max_wait_s must be >= 0, got {max_wait_s}")
         self.policy = policy
         self.max_wait_s = float(max_wait_s)
+        self.max_num_seqs = max_num_seqs
         self.stats = AdmissionStats()
         self._num_running = num_running
         self._kv_usage = kv_usage
         self._clock = clock
         self._fcfs_this_step = False
+        self._step = 0
+        self._queue = None
 
     def begin_step(self) -> None:
         self._fcfs_this_step = False
+        self._step += 1
 
     def describe(self) -> dict:
-        return {**super().describe(), **self.stats.as_dict()}
+        return {**super().describe(), "policy": getattr(self.policy, "name", type(self.policy).__name__),
+                **self.stats.as_dict()}
 
+    # --- AdmissionView (valid during next_admission) -----------------------------------------
+    @property
+    def tree(self):
+        return self._queue.tree
+
+    @property
+    def num_running(self) -> int:
+        return self._num_running()
+
+    @property
+    def kv_utilisation(self) -> float:
+        return self._kv_usage()
+
+    @property
+    def oldest_wait_s(self) -> float:
+        return self._clock() - self._queue.front().arrival_time
+
+    def context_tokens(self, request_id) -> int:
+        return self._queue.waiting_request(request_id).num_tokens
+
+    # --- decisions ----------------------------------------------------------------------------
     def next_admission(self, queue):
+        self._queue = queue
         head = queue.front()
         if queue.is_resumed(head):
             self.stats.forced_resumed += 1
             return head
-        oldest_wait_s = self._clock() - head.arrival_time
-        if oldest_wait_s >= self.max_wait_s:
+        if self.oldest_wait_s >= self.max_wait_s:
             self.stats.forced_wait += 1
             return head
         if self._fcfs_this_step:
             self.stats.fcfs_admissions += 1
             return head
+        num_running = self.num_running
+        if num_running >= self.max_num_seqs:
+            return None
         candidate = queue.best()
-        num_running = self._num_running()
         if num_running == 0:
             self.stats.forced_idle += 1
             return candidate
         start = time.perf_counter_ns()
+        point = DecisionPoint(self, candidate.request_id, self._step)
+        point.raw   # built outside the guard below: a bug here raises rather than falling back
         try:
-            add = self.policy.decide(self._observation(queue, candidate, num_running, oldest_wait_s))
+            add = self.policy.decide(point)
         except Exception as exc:  # any policy failure degrades to FCFS, never stops serving
             self._fall_back(exc)
             self.stats.fcfs_admissions += 1
@@ -139,22 +174,6 @@ class PolicyAdmission(Admission):
             return candidate
         self.stats.stops += 1
         return None
-
-    def _observation(self, queue, candidate, num_running: int, oldest_wait_s: float):
-        tree = queue.tree
-        stats = tree.candidate_stats(candidate.request_id)
-        cached = (stats.num_chunks - stats.missing_chunks) / stats.num_chunks if stats.num_chunks else 0.0
-        return build_observation(
-            batch_size=num_running,
-            chunk_loss=stats.chunk_loss,
-            same_prefix_waiting=stats.same_prefix_waiting,
-            running_common_prefix=tree.running_common_prefix,
-            candidate_context_tokens=candidate.num_tokens,
-            candidate_cached_fraction=cached,
-            kv_utilisation=self._kv_usage(),
-            num_waiting=len(queue),
-            oldest_wait_s=oldest_wait_s,
-        )
 
     def _fall_back(self, exc: Exception) -> None:
         self._fcfs_this_step = True

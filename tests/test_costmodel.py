@@ -8,12 +8,12 @@ import json
 import numpy as np
 import pytest
 
-from feather_gym.costmodel import SHIPPED_PROFILES, DecodeBatch, load_cost_model, model_preset
+from feather_gym.costmodel import SHIPPED_PROFILES, DecodeBatch, hardware_profile, load_cost_model, model_preset
 from feather_gym.costmodel.analytic import GPU_SPECS, analytic_profile
 from feather_gym.costmodel.features import COLUMNS, step_features
-from feather_gym.costmodel.fit import CACHE_SCALES, cross_validate, nnls
+from feather_gym.costmodel.fit import CACHE_SCALES, attention_variants, cross_validate, nnls, predict_rows
 from feather_gym.costmodel.homogeneity import PAPER_SPEEDUP_BAND, paper_check
-from feather_gym.costmodel.model import PROFILE_DIR, cost_model_from_profile
+from feather_gym.costmodel.model import CPU_PROFILE, PROFILE_DIR, cost_model_from_profile
 from feather_gym.costmodel.profile_io import PROFILE_SCHEMA, ProfileError, load_profile, validate_profile
 
 SHAPE = model_preset("smollm2-135m").with_dtype("float32")
@@ -71,25 +71,43 @@ TRUE = {"fixed": 0.03, "tokens": 2e-4, "prefix_passes": 5e-5, "kv_dram_bytes": 1
         "attn_flops": 1e-11, "prefill_tokens": 1e-3, "prefill_attn_flops": 4e-11}
 
 
-def synthetic_profile(noise: float = 0.0, seed: int = 0) -> dict:
-    """A measured profile whose times follow TRUE exactly (times multiplicative noise)."""
-    rng = np.random.default_rng(seed)
+def _decode_row(batch: DecodeBatch, groups: int, prefix: int, suffix: int, cascade: bool) -> dict:
+    return {"phase": "decode", "attention": "cascade" if cascade else "per_request", "batch_size": batch.batch_size,
+            "num_groups": batch.num_groups, "shared_prefix_tokens": prefix, "unique_tokens_per_request": suffix,
+            "total_kv_tokens": batch.total_kv_tokens, "unique_kv_tokens": batch.unique_kv_tokens}
+
+
+def true_step_s(batch: DecodeBatch, chunks: list[tuple[int, int]], cascade: bool) -> float:
+    """TRUE's time of a step: one fixed cost, the decode batch and every prefill chunk's own terms."""
     cache = CACHE * CACHE_SCALES[4]
+    vector = np.array([TRUE[c] for c in COLUMNS])
+    first = chunks[0] if chunks else (0, 0)
+    seconds = vector @ step_features(batch, *first, SHAPE, cache, cascade)
+    for new, cached in chunks[1:]:
+        seconds += vector @ step_features(DecodeBatch(0, 0, 0, 0), new, cached, SHAPE, cache, cascade) - TRUE["fixed"]
+    return float(seconds)
+
+
+def synthetic_profile(noise: float = 0.0, seed: int = 0) -> dict:
+    """A measured profile whose times follow TRUE exactly (times multiplicative noise): decode
+    rows of both attention variants, single- and multi-request prefill rows, mixed rows."""
+    rng = np.random.default_rng(seed)
     rows = []
     for cascade in (False, True):
         for b in (1, 4, 16, 64):
             for g, p in [(b, 0)] + [(g, p) for g in (1, 2, 8) if g < b for p in (512, 8192)]:
                 for s in (16, 1024):
-                    batch = DecodeBatch.from_groups(b, g, p, s)
-                    t = np.dot([TRUE[c] for c in COLUMNS], step_features(batch, 0, 0, SHAPE, cache, cascade))
-                    rows.append({"phase": "decode", "attention": "cascade" if cascade else "per_request",
-                                 "batch_size": b, "num_groups": batch.num_groups, "shared_prefix_tokens": p,
-                                 "unique_tokens_per_request": s, "total_kv_tokens": batch.total_kv_tokens,
-                                 "unique_kv_tokens": batch.unique_kv_tokens, "t": t})
+                    rows.append(_decode_row(DecodeBatch.from_groups(b, g, p, s), g, p, s, cascade) |
+                                {"t": true_step_s(DecodeBatch.from_groups(b, g, p, s), [], cascade)})
+        for b, new, cached in ((4, 64, 0), (16, 512, 2048), (64, 1024, 0)):
+            batch = DecodeBatch.from_groups(b, 2, 1024, 128)
+            rows.append(_decode_row(batch, 2, 1024, 128, cascade) | {"phase": "mixed", "new_tokens": new,
+                        "cached_tokens": cached, "t": true_step_s(batch, [(new, cached)], cascade)})
     for new in (16, 256, 1024):
         for cached in (0, 4096):
-            t = np.dot([TRUE[c] for c in COLUMNS], step_features(DecodeBatch(0, 0, 0, 0), new, cached, SHAPE, cache, False))
-            rows.append({"phase": "prefill", "new_tokens": new, "cached_tokens": cached, "t": t})
+            for requests in (1, 8):
+                rows.append({"phase": "prefill", "new_tokens": new, "cached_tokens": cached, "prefill_requests": requests,
+                             "t": true_step_s(DecodeBatch(0, 0, 0, 0), [(new, cached)] * requests, False)})
     for row in rows:
         t = row.pop("t") * (1 + noise * rng.standard_normal())
         row.update(median_s=t, mean_s=t, std_s=0.0, min_s=t, max_s=t, repeats=1)
@@ -116,10 +134,31 @@ def test_cross_validation_reports_noise_level():
     assert exact["mape"] < 1e-6 and exact["max_ape"] < 1e-6
     noisy = cross_validate(synthetic_profile(noise=0.03, seed=3), cascade=False)
     assert 0.005 < noisy["mape"] < 0.06 and noisy["max_ape"] >= noisy["mape"]
-    assert {"decode_mape", "prefill_mape", "rows", "folds"} <= set(noisy)
+    assert {"decode_mape", "prefill_mape", "mixed_mape", "rows", "folds"} <= set(noisy)
+    assert noisy["decode_rows"] + noisy["prefill_rows"] + noisy["mixed_rows"] == noisy["rows"]
+    worst = noisy["worst"]
+    assert worst["ape"] == noisy["max_ape"] == abs(worst["predicted_s"] - worst["measured_s"]) / worst["measured_s"]
+    assert worst["phase"] in ("decode", "prefill", "mixed") and "median_s" not in worst
+
+
+def test_multi_request_and_mixed_rows_compose_steps_as_the_simulator_does():
+    """A row of k prefill chunks beside a decode batch = step_s(batch, chunk) + (k - 1) x (prefill_s - fixed)."""
+    profile = synthetic_profile()
+    model = cost_model_from_profile(profile)
+    batch = DecodeBatch.from_groups(16, 2, 1024, 128)
+    row = _decode_row(batch, 2, 1024, 128, False) | {"phase": "mixed", "new_tokens": 256, "cached_tokens": 512,
+                                                      "prefill_requests": 3}
+    expected = model.step_s(batch, 256, 512) + 2 * (model.prefill_s(256, 512) - model.coefficients["fixed"])
+    predicted = predict_rows([row], dict(model.coefficients), SHAPE, model.cache_bytes, False)[0]
+    assert predicted == pytest.approx(expected, rel=1e-12)
+    assert expected == pytest.approx(true_step_s(batch, [(256, 512)] * 3, False), rel=1e-5)
 
 
 # ---------------------------------------------------------------- profile validation
+
+_ROWS = len(synthetic_profile()["measurements"])
+_MIXED = next(i for i, row in enumerate(synthetic_profile()["measurements"]) if row["phase"] == "mixed")
+
 
 def _broken(mutate) -> dict:
     profile = copy.deepcopy(synthetic_profile())
@@ -138,6 +177,10 @@ def _broken(mutate) -> dict:
     (lambda p: p["measurements"][5].update(unique_kv_tokens=10**9), "measurements[5]"),
     (lambda p: p.update(measurements=[]), "measurements"),
     (lambda p: p["hardware"].pop("cache_bytes"), "hardware.cache_bytes"),
+    (lambda p: p["measurements"][-1].update(prefill_requests=0), r"measurements[%d].prefill_requests" % (_ROWS - 1)),
+    (lambda p: p["measurements"][_MIXED].pop("new_tokens"), "measurements[%d].new_tokens: missing" % _MIXED),
+    (lambda p: p["measurements"][_MIXED].pop("attention"), "measurements[%d].attention: missing" % _MIXED),
+    (lambda p: p["measurements"][0].update(phase="chunk"), r"measurements[0].phase"),
 ])
 def test_validation_names_the_bad_field(mutate, field):
     with pytest.raises(ProfileError, match=r"bad\.json: " + field.replace("[", r"\[").replace("]", r"\]")):
@@ -149,7 +192,7 @@ def test_load_profile_reports_json_syntax_line(tmp_path):
     path.write_text('{\n "schema": "feather-profile/1",\n oops\n}')
     with pytest.raises(ProfileError, match=r"broken\.json: line 3"):
         load_profile(path)
-    with pytest.raises(ValueError, match="not one of cpu"):
+    with pytest.raises(ValueError, match="not one of vllm-cpu, cpu"):
         load_cost_model(tmp_path / "absent.json")
 
 
@@ -157,7 +200,13 @@ def test_load_profile_reports_json_syntax_line(tmp_path):
 
 @pytest.mark.parametrize("name", SHIPPED_PROFILES)
 def test_shipped_profiles_load_and_behave_physically(name):
+    variants = attention_variants(load_profile(PROFILE_DIR / f"{name}.json"))
+    assert "per_request" in variants
     for cascade in (False, True):
+        if ("cascade" if cascade else "per_request") not in variants:
+            with pytest.raises(ValueError, match=f"{name}.*no cascade attention measurements.*cascade=False"):
+                load_cost_model(name, cascade=cascade)
+            continue
         model = load_cost_model(name, cascade=cascade)
         assert model.name == name and model.cascade is cascade
         assert model.step_s(DecodeBatch(0, 0, 0, 0)) == 0.0
@@ -168,6 +217,55 @@ def test_shipped_profiles_load_and_behave_physically(name):
         assert mixed <= model.decode_step_s(DecodeBatch.from_groups(8, 8, 0, 512)) + model.prefill_s(256, 1024)
         assert model.kv_capacity_tokens == load_profile(PROFILE_DIR / f"{name}.json")["kv_cache_bytes"] \
             // model.model_shape.kv_bytes_per_token
+
+
+def test_vllm_cpu_profile_measures_the_engines_steps():
+    """Decode, prefill (up to the whole token budget, with cached prefixes, bursts of requests)
+    and mixed steps of the engine, its KV blocks and block size; no cascade rows (vLLM 0.32 has none)."""
+    profile = load_profile(PROFILE_DIR / "vllm-cpu.json")
+    settings, rows = profile["settings"], profile["measurements"]
+    assert profile["kind"] == "measured" and profile["backend"] == "vllm" and profile["software"]["vllm"]
+    assert attention_variants(profile) == ("per_request",)
+    assert profile["block_size"] == 128 and profile["model"]["dtype"] == "float32"
+    model = load_cost_model("vllm-cpu")
+    assert model.block_size == 128
+    assert model.kv_capacity_tokens == settings["kv_blocks"] * 128  # the blocks the engine allocated
+    assert 23_000 < model.kv_capacity_tokens <= 2**30 // SHAPE.kv_bytes_per_token  # 1 GiB of float32 KV
+    decode = [r for r in rows if r["phase"] == "decode"]
+    prefill = [r for r in rows if r["phase"] == "prefill"]
+    mixed = [r for r in rows if r["phase"] == "mixed"]
+    assert {r["batch_size"] for r in decode} >= {1, 2, 4, 8, 16, 32, 64}
+    assert {r["num_groups"] for r in decode if r["num_groups"] < r["batch_size"]} >= {1, 2, 4, 8}
+    assert max(r["total_kv_tokens"] for r in decode) > 64 * 1024
+    budget = profile["max_num_batched_tokens"]
+    assert model.token_budget == budget == 4096
+    assert any(r["new_tokens"] == budget and r["cached_tokens"] == 0 for r in prefill)
+    assert any(r["new_tokens"] >= 2048 and r["cached_tokens"] >= 2048 for r in prefill)
+    assert any(r["prefill_requests"] > 1 and r["cached_tokens"] > 0 for r in prefill)
+    assert any(r["prefill_requests"] * r["new_tokens"] == budget for r in prefill if r["prefill_requests"] > 1)
+    assert len(mixed) >= 4 and all(r["batch_size"] + r["new_tokens"] <= budget for r in mixed)
+    assert settings["threads"] == 1 and settings["clock"] == "thread_time"
+    with pytest.raises(ValueError, match=r"'vllm-cpu' \(vllm backend\) has no cascade attention measurements"):
+        load_cost_model("vllm-cpu", cascade=True)
+
+
+def test_hardware_profile_is_the_vllm_cpu_profile_without_a_gpu(monkeypatch):
+    import sys
+    from types import SimpleNamespace
+
+    def fake_torch(gpu: str | None):
+        cuda = SimpleNamespace(is_available=lambda: gpu is not None, get_device_name=lambda index: gpu)
+        monkeypatch.setitem(sys.modules, "torch", SimpleNamespace(cuda=cuda))
+
+    fake_torch(None)
+    assert hardware_profile() == CPU_PROFILE == "vllm-cpu"
+    fake_torch("NVIDIA H200")
+    assert hardware_profile() == "h200"
+    fake_torch("NVIDIA RTX 6000 Ada Generation")
+    assert hardware_profile() == "rtx6000-ada"
+    fake_torch("NVIDIA GeForce GTX 1080")  # no profile names it
+    assert hardware_profile() == CPU_PROFILE
+    assert CPU_PROFILE in SHIPPED_PROFILES and "cpu" in SHIPPED_PROFILES
 
 
 def test_cpu_profile_is_measured_by_the_torch_backend():
@@ -203,19 +301,29 @@ def test_cascade_never_slower_than_per_request_on_analytic_gpu():
 
 # ---------------------------------------------------------------- CLI
 
-def test_cli_fit_prints_held_out_error_as_json(capsys):
+#: Held-out MAPE the shipped measured profiles must keep: the issue's 10% target on the torch-backend
+#: profile; the live engine's own steps (vllm-cpu) are fitted less well by the linear step model.
+MAPE_TARGETS = {"cpu": 0.10, "vllm-cpu": 0.12}
+
+
+@pytest.mark.parametrize("name", MAPE_TARGETS)
+def test_cli_fit_prints_held_out_error_as_json(name, capsys):
     from feather_gym.cli import main
 
-    assert main(["profile", "fit", "cpu", "--json"]) == 0
+    assert main(["profile", "fit", name, "--json"]) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    for variant in ("per_request", "cascade"):
-        entry = report["variants"][variant]
+    assert tuple(report["variants"]) == attention_variants(load_profile(PROFILE_DIR / f"{name}.json"))
+    for entry in report["variants"].values():
         held_out = entry["held_out"]
-        assert held_out["mape"] <= held_out["max_ape"]
-        assert held_out["mape"] < 0.10  # the issue's target on the shipped CPU profile
+        assert held_out["mape"] <= held_out["max_ape"] == held_out["worst"]["ape"]
+        assert held_out["mape"] < MAPE_TARGETS[name]
+        phases = [phase for phase in ("decode", "prefill", "mixed") if f"{phase}_rows" in held_out]
+        assert sum(held_out[f"{phase}_rows"] for phase in phases) == held_out["rows"]
         assert entry["homogeneity"]["speedup_same_size_homogeneous"] > 0
-        measured = entry["homogeneity_measured"]  # the shipped CPU grid includes the comparison points
+        measured = entry["homogeneity_measured"]  # every shipped CPU grid includes its comparison points
         assert measured["mixed_step_s"] > 0 and measured["homogeneous_same_size_step_s"] > 0
+    if name == "vllm-cpu":
+        assert phases == ["decode", "prefill", "mixed"]
 
 
 def test_cli_fit_rejects_bad_profile(tmp_path, capsys):

@@ -1,4 +1,5 @@
-"""Torch profiler backend: attention variants agree numerically; measurements show what physics demands."""
+"""Profiler backends. Torch: attention variants agree numerically; measurements show what physics demands.
+vLLM: the grids fit the engine's limits, and a live engine's steps are timed as composed."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ torch = pytest.importorskip("torch")
 from feather_gym.costmodel import model_preset  # noqa: E402
 from feather_gym.costmodel.profile_io import validate_profile  # noqa: E402
 from feather_gym.costmodel.profiler_torch import DecodePoint, TorchStepRunner, run_torch_profile  # noqa: E402
+from feather_gym.costmodel.profiler_vllm import (VLLM_HOMOGENEITY, EngineLimits, MixedPoint,  # noqa: E402
+                                                 PrefillPoint, check_grid, prefill_repeats, vllm_decode_grid,
+                                                 vllm_mixed_grid, vllm_prefill_grid)
 
 SHAPE = model_preset("smollm2-135m").with_dtype("float32")
 
@@ -93,14 +97,90 @@ def test_prefill_attention_equals_causal_attention_over_cache_and_new_tokens(run
         torch.testing.assert_close(got[:, head], torch.softmax(scores, -1) @ v, rtol=1e-4, atol=1e-5)
 
 
+CPU_ENGINE = EngineLimits(block_size=128, num_blocks=182, token_budget=4096, max_num_seqs=256, max_model_len=8192)
+
+
+@pytest.mark.parametrize("quick", [False, True])
+def test_vllm_grids_fit_the_cpu_engine_and_cover_every_step_kind(quick):
+    decode, prefill, mixed = vllm_decode_grid(quick), vllm_prefill_grid(quick), vllm_mixed_grid(quick)
+    check_grid(CPU_ENGINE, decode, prefill, mixed, repeats=8)
+    assert len(set(decode)) == len(decode) and any(p.num_groups < p.batch_size for p in decode)
+    assert any(p.cached_tokens for p in prefill) and any(p.requests > 1 for p in prefill) and mixed
+    if not quick:  # the homogeneity comparison fit_report reads, and chunks up to the whole budget
+        b, g, prefix, suffix = VLLM_HOMOGENEITY
+        assert {DecodePoint(b, g, prefix, suffix), DecodePoint(b, 1, prefix, suffix),
+                DecodePoint(b // g, 1, prefix, suffix)} <= set(decode)
+        assert max(p.new_tokens * p.requests for p in prefill) == CPU_ENGINE.token_budget
+
+
+@pytest.mark.parametrize("decode, prefill, mixed, message", [
+    ([DecodePoint(4, 2, 100, 16)], [], [], "multiple of the block size"),
+    ([DecodePoint(64, 64, 0, 512)], [], [], "needs 320 KV blocks, the engine has 182"),
+    ([DecodePoint(300, 300, 0, 16)], [], [], "max_num_seqs"),
+    ([], [PrefillPoint(16, 100)], [], "multiple of the block size"),
+    ([], [PrefillPoint(1024, 0, 5)], [], "exceed the token budget 4096"),
+    ([], [PrefillPoint(4096, 4096)], [], "max_model_len"),
+    ([], [], [MixedPoint(DecodePoint(8, 8, 0, 16), (PrefillPoint(4090),))], "8 decode .* exceed the token budget"),
+    ([], [], [MixedPoint(DecodePoint(8, 8, 0, 16), (PrefillPoint(64, 0, 2),))], "one prefill chunk"),
+])
+def test_check_grid_names_the_point_the_engine_cannot_run(decode, prefill, mixed, message):
+    with pytest.raises(ValueError, match=message):
+        check_grid(CPU_ENGINE, decode, prefill, mixed, repeats=8)
+
+
+def test_points_measured_under_load_are_measured_again_in_later_passes(monkeypatch):
+    """Task i sees the loads loads[i] in successive attempts; each keeps its least loaded attempt."""
+    from feather_gym.costmodel import profiler_vllm
+
+    loads = {"quiet": [0.0], "burst": [0.9, 0.1], "busy": [0.9, 0.5, 0.7]}
+    attempts = {name: 0 for name in loads}
+    current = []
+
+    class FakeMeter:
+        def others_cores(self) -> float:
+            return current.pop()
+
+    def task(name: str):
+        def measure():
+            current.append(loads[name][attempts[name]])
+            attempts[name] += 1
+            return attempts[name]  # the samples: which attempt
+
+        return profiler_vllm.Task(name, measure, lambda attempt, load: [{"task": name, "attempt": attempt,
+                                                                          "median_s": 1.0, "wall_median_s": 1.0,
+                                                                          "others_cores": load}])
+
+    monkeypatch.setattr(profiler_vllm, "LoadMeter", FakeMeter)
+    lines = []
+    rows = profiler_vllm.measure_least_loaded([task(name) for name in loads], lines.append)
+    assert [(r["task"], r["attempt"], r["others_cores"]) for r in rows] == [("quiet", 1, 0.0), ("burst", 2, 0.1),
+                                                                           ("busy", 2, 0.5)]
+    assert attempts == {"quiet": 1, "burst": 2, "busy": 1 + profiler_vllm.LOAD_RETRIES}
+    assert sum("measuring again" in line for line in lines) == profiler_vllm.LOAD_RETRIES
+
+
+def test_prefill_repeats_fall_with_step_size():
+    counts = [prefill_repeats(tokens, 8) for tokens in (16, 256, 512, 1024, 2048, 4096)]
+    assert counts == sorted(counts, reverse=True) and counts[0] == 8 and counts[-1] == 2
+
+
 @pytest.mark.slow
-def test_vllm_backend_times_a_fixed_decode_batch_of_the_real_engine():
+def test_vllm_backend_times_controlled_steps_of_the_real_engine():
     pytest.importorskip("vllm")
     from feather_gym.costmodel.profiler_vllm import run_vllm_profile
 
-    profile = run_vllm_profile(decode_points=[DecodePoint(2, 1, 256, 16)], prefill_points=[(16, 256)], repeats=2)
+    profile = run_vllm_profile(decode_points=[DecodePoint(2, 1, 256, 16)],
+                               prefill_points=[PrefillPoint(16, 256), PrefillPoint(16, 0, 3)],
+                               mixed_points=[MixedPoint(DecodePoint(2, 2, 0, 16), (PrefillPoint(16, 128),))],
+                               repeats=2)
     validate_profile(profile, "vllm")
-    decode, prefill = profile["measurements"]
-    assert profile["backend"] == "vllm" and profile["software"]["vllm"]
-    assert decode["repeats"] == 2 and decode["unique_kv_tokens"] == 256 + 2 * 16 and decode["median_s"] > 0
-    assert prefill["new_tokens"] == 16 and prefill["median_s"] > 0
+    decode, prefill, burst, mixed = profile["measurements"]
+    settings = profile["settings"]
+    assert profile["backend"] == "vllm" and profile["software"]["vllm"] and profile["block_size"] == 128
+    assert profile["kv_cache_bytes"] == settings["kv_blocks"] * 128 * SHAPE.kv_bytes_per_token
+    assert settings["clock"] == ("thread_time" if settings["threads"] == 1 else "perf_counter")
+    assert decode["phase"] == "decode" and decode["repeats"] == 2 and decode["unique_kv_tokens"] == 256 + 2 * 16
+    assert (prefill["new_tokens"], prefill["cached_tokens"], prefill["prefill_requests"]) == (16, 256, 1)
+    assert (burst["new_tokens"], burst["prefill_requests"]) == (16, 3)
+    assert mixed["phase"] == "mixed" and (mixed["batch_size"], mixed["new_tokens"], mixed["cached_tokens"]) == (2, 16, 128)
+    assert all(r["median_s"] > 0 and r["wall_median_s"] > 0 for r in profile["measurements"])

@@ -16,7 +16,7 @@ import deploy_policies as policies
 from cache_core.cht import ChunkedHashTree
 from deploy.admission import FCFSAdmission, PolicyAdmission
 from deploy.policy_bench import vllm_request
-from feather_gym.policy_runtime import OnnxPolicy
+from feather_gym.policies import FeatherRule, OnnxFilePolicy
 from deploy.scheduler import FeatherConfig, PolicyStartupError, build_admission
 from traces.chunk_hash import block_hash_digests
 from deploy.waiting_queue import CHTWaitingQueue
@@ -68,7 +68,8 @@ class Running:
 
 
 def policy_admission(path, running: Running, **kwargs) -> PolicyAdmission:
-    return PolicyAdmission(OnnxPolicy(path), num_running=running, kv_usage=lambda: 0.25, **kwargs)
+    return PolicyAdmission(OnnxFilePolicy(str(path)), num_running=running, kv_usage=lambda: 0.25,
+                           **{"max_num_seqs": 256, **kwargs})
 
 
 def test_block_hash_digests_follow_vllm_prefixes():
@@ -124,22 +125,23 @@ def test_waiting_time_bound_overrides_stop(files):
 
 
 class RaisingPolicy:
-    """A policy whose inference fails, as a broken runtime would (OnnxPolicy's interface)."""
+    """A policy whose inference fails, as a broken runtime would (a Policy's interface)."""
 
     def __init__(self) -> None:
         self.calls = 0
 
-    def decide(self, obs) -> bool:
+    def decide(self, point) -> int:
+        point.observation
         self.calls += 1
         raise RuntimeError("onnxruntime exploded")
 
 
 @pytest.mark.parametrize("kind", ["raises", "nan"])
 def test_runtime_policy_failure_falls_back_to_fcfs_for_the_step(files, kind, caplog):
-    policy = RaisingPolicy() if kind == "raises" else OnnxPolicy(files["nan"])
+    policy = RaisingPolicy() if kind == "raises" else OnnxFilePolicy(str(files["nan"]))
     queue, _ = make_queue({"a": (1,), "b": (2,), "c": (1, 3), "d": (4,)})
     running = Running(1)
-    admission = PolicyAdmission(policy, num_running=running, kv_usage=lambda: 0.0)
+    admission = PolicyAdmission(policy, num_running=running, kv_usage=lambda: 0.0, max_num_seqs=256)
     with caplog.at_level(logging.WARNING, logger="deploy.admission"):
         with queue.admitting(admission):
             assert [admit(queue) for _ in range(2)] == ["a", "b"]   # FCFS, one failure for the step
@@ -189,7 +191,7 @@ def test_feather_config_from_additional_config(tmp_path):
                                            ("old_version", "feather-obs-0"), (None, "no policy configured")])
 def test_unusable_policy_at_start_refuses_or_falls_back(files, name, message, caplog):
     path = None if name is None else str(files[name])
-    hooks = {"num_running": lambda: 0, "kv_usage": lambda: 0.0}
+    hooks = {"num_running": lambda: 0, "kv_usage": lambda: 0.0, "max_num_seqs": 256}
     with pytest.raises(PolicyStartupError, match=f"refuses to start: .*{message}"):
         build_admission(FeatherConfig(policy=path), **hooks)
     with caplog.at_level(logging.WARNING, logger="deploy.scheduler"):
@@ -200,8 +202,48 @@ def test_unusable_policy_at_start_refuses_or_falls_back(files, name, message, ca
 
 def test_usable_policy_builds_a_policy_admission(files):
     admission = build_admission(FeatherConfig(policy=str(files["add"]), max_wait_s=4.0),
-                                num_running=lambda: 0, kv_usage=lambda: 0.0)
+                                num_running=lambda: 0, kv_usage=lambda: 0.0, max_num_seqs=256)
     assert isinstance(admission, PolicyAdmission) and admission.max_wait_s == 4.0
+
+
+def test_the_feather_rule_is_deployable_and_fcfs_orderings_are_refused():
+    hooks = {"num_running": lambda: 0, "kv_usage": lambda: 0.0, "max_num_seqs": 256}
+    admission = build_admission(FeatherConfig(policy="feather-rule"), **hooks)
+    assert isinstance(admission, PolicyAdmission) and isinstance(admission.policy, FeatherRule)
+    for name in ("fcfs", "dfs", "group-label"):
+        with pytest.raises(PolicyStartupError, match="cannot run in the Feather scheduler"):
+            build_admission(FeatherConfig(policy=name), **hooks)
+
+
+def test_deployed_rule_stops_a_candidate_of_another_prefix():
+    """The rule's thresholds are in tokens: a candidate costing the batch's 96 blocks of 16 tokens
+    of common prefix (1536 tokens > 1280) is a STOP, at this engine's block size of 16."""
+    queue, _ = make_queue({"a": tuple(range(1, 1 + 6 * 16)), "b": tuple(range(200, 200 + 6 * 16))})
+    running = Running()
+    admission = PolicyAdmission(FeatherRule(), num_running=running, kv_usage=lambda: 0.0, max_num_seqs=256,
+                                max_wait_s=1e9)
+    with queue.admitting(admission):
+        assert admit(queue) == "a"
+        running.n = 1
+        assert not queue                         # b shares nothing with a
+    assert admission.stats.stops == 1
+
+
+def test_full_batch_ends_admission_without_asking(files):
+    queue, _ = make_queue({"a": (1,), "b": (2,)})
+    admission = policy_admission(files["add"], Running(4), max_num_seqs=4)
+    with queue.admitting(admission):
+        assert not queue
+    assert admission.stats.decisions == 0 and len(queue) == 2
+
+
+def test_a_bug_in_building_the_observation_raises_instead_of_falling_back(files):
+    queue, _ = make_queue({"a": (1,), "b": (2,)})
+    admission = PolicyAdmission(OnnxFilePolicy(str(files["add"])), num_running=Running(1), max_num_seqs=256,
+                                kv_usage=lambda: 1 / 0)
+    with queue.admitting(admission), pytest.raises(ZeroDivisionError):
+        bool(queue)
+    assert admission.stats.fallbacks == 0
 
 
 def test_async_scheduler_variant_shares_the_mixin():

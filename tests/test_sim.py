@@ -9,13 +9,17 @@ import traces
 from feather_gym.cli import main
 from feather_gym.costmodel import load_cost_model
 from feather_gym.kv_cache import PrefixKVCache
-from feather_gym.observation import ADD, FEATURE_NAMES, OBS_CLIP, build_observation
+from feather_gym.observation import ADD, FEATURE_INDEX, FEATURE_NAMES, OBS_CLIP, STOP, normalise, raw_features
 from feather_gym.orderings import CHTOrder
 from feather_gym.policies import make_policy
 from feather_gym.simulator import EngineConfig, Simulator, simulate
 from traces import Request, Trace
 
-BS = EngineConfig.block_size
+BS = 256    # the tests' engine block size (the h200 profile's own is 16)
+
+
+def engine(**kwargs) -> EngineConfig:
+    return EngineConfig(block_size=BS, **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -37,23 +41,50 @@ def small_trace(num_requests=60, rate=200.0, seed=0) -> Trace:
 
 
 # ---------------------------------------------------------------- KV cache
-def test_kv_shared_blocks_count_once_and_cached_blocks_are_evicted_tail_first():
+def check_pool(kv: PrefixKVCache) -> None:
+    """The pool's invariants (module docstring of feather_gym.kv_cache)."""
+    assert kv.free_blocks + sum(1 for r in kv._refs if r) == kv.capacity_blocks
+    assert all((kv._refs[b] == 0) == (b in kv._free) for b in range(kv.capacity_blocks))
+    assert all(kv._digest[b] == d for d, b in kv._block_of.items())
+
+
+def test_kv_shared_blocks_count_once_and_free_blocks_form_one_lru_queue():
     kv = PrefixKVCache(6)
-    a, b = [1, 2, 3], [1, 2, 4]
-    kv.acquire(a, hits=0, anonymous=1)
-    assert kv.used_blocks == 4
-    hits, claim = kv.blocks_to_claim(b, total_blocks=3)
-    assert (hits, claim) == (2, 1)                    # 1 and 2 are shared: only block 4 is new
-    kv.acquire(b, hits=2, anonymous=0)
-    assert kv.used_blocks == 5
-    kv.release(a, anonymous=1)
-    assert kv.used_blocks == 3 and kv.cached_blocks == 1   # block 3 stays cached
-    kv.release(b, anonymous=0)
+    kv.admit("a", [])
+    assert kv.allocate("a", 4) and kv.used_blocks == 4
+    kv.register("a", [1, 2, 3], 3)                         # 3 full blocks scheduled; the 4th is partial
+    hits = kv.hit_blocks([1, 2, 4], 3)
+    assert len(hits) == 2 and kv.blocks_to_claim(hits, 3) == 1   # 1 and 2 are shared: one new block
+    kv.admit("b", hits)
+    assert kv.allocate("b", 3) and kv.used_blocks == 5
+    kv.register("b", [1, 2, 4], 3)
+    check_pool(kv)
+    kv.release("a")                                        # tail first: a's partial block, then 3
+    assert kv.used_blocks == 3 and kv.cached_prefix([1, 2, 3]) == 3   # 3 stays registered, free
+    kv.release("b")
     assert kv.used_blocks == 0 and kv.cached_blocks == 4
-    assert kv.cached_prefix([1, 2, 4]) == 3
-    kv.grow(4)                                        # needs 2 evictions: the tails go first
-    assert kv.cached_blocks == 2 and kv.cached_prefix([1, 2, 3]) == 2
-    assert kv.used_blocks + kv.cached_blocks <= kv.capacity_blocks
+    check_pool(kv)
+    # Allocation takes the free queue's head: the never-used block first, then a's partial
+    # block, then a's block 3, evicting it although b's blocks, freed later, hold no more use.
+    kv.admit("c", [])
+    assert kv.allocate("c", 3)
+    assert kv.cached_prefix([1, 2, 3]) == 2 and kv.cached_prefix([1, 2, 4]) == 3
+    assert not kv.allocate("c", 7)                          # more than the pool: refused, unchanged
+    assert kv.blocks_held("c") == 3
+    check_pool(kv)
+
+
+def test_kv_hit_on_a_free_registered_block_takes_it_out_of_the_free_queue():
+    kv = PrefixKVCache(3)
+    kv.admit("a", [])
+    kv.allocate("a", 2)
+    kv.register("a", [7, 8], 2)
+    kv.release("a")
+    hits = kv.hit_blocks([7, 8], 2)
+    assert kv.blocks_to_claim(hits, 3) == 3                  # two free hits + one new block
+    kv.admit("b", hits)
+    assert kv.free_blocks == 1
+    check_pool(kv)
 
 
 # ---------------------------------------------------------------- invariants
@@ -67,7 +98,7 @@ def run_checked(trace, cost_model, policy_name, config):
     last_now = sim.now_s
     while (point := sim.next_admission()) is not None:
         assert sim.kv.used_blocks <= sim.kv.capacity_blocks
-        assert sim.kv.used_blocks + sim.kv.cached_blocks <= sim.kv.capacity_blocks
+        check_pool(sim.kv)
         assert sim.now_s >= last_now
         last_now = sim.now_s
         obs = point.observation
@@ -80,7 +111,7 @@ def run_checked(trace, cost_model, policy_name, config):
 @pytest.mark.parametrize("policy_name", ["fcfs", "feather-rule", "dfs"])
 def test_invariants_under_kv_pressure(h200, policy_name):
     trace = small_trace()
-    config = EngineConfig(kv_capacity_tokens=12 * BS * 8, token_budget=2048, max_num_seqs=64)
+    config = engine(kv_capacity_tokens=12 * BS * 8, token_budget=2048, max_num_seqs=64)
     sim, result, finishes = run_checked(trace, h200, policy_name, config)
     assert result.num_preemptions > 0                        # the tight cache really preempted
     assert sorted(finishes) == list(range(len(trace)))       # every request finished exactly once
@@ -97,7 +128,7 @@ def test_invariants_under_kv_pressure(h200, policy_name):
 
 def test_prompt_tokens_are_hits_or_prefilled_without_preemption(h200):
     trace = small_trace()
-    sim, result, _ = run_checked(trace, h200, "fcfs", EngineConfig())
+    sim, result, _ = run_checked(trace, h200, "fcfs", engine())
     assert result.num_preemptions == 0
     assert result.prefill_tokens + result.cached_prompt_tokens == sum(r.input_len for r in trace)
     assert result.cached_prompt_tokens > 0                    # the shared prefixes hit
@@ -105,7 +136,7 @@ def test_prompt_tokens_are_hits_or_prefilled_without_preemption(h200):
 
 def test_simulation_is_deterministic(h200):
     trace = small_trace(seed=3)
-    runs = [simulate(trace, h200, make_policy("feather-rule")) for _ in range(2)]
+    runs = [simulate(trace, h200, make_policy("feather-rule"), config=engine()) for _ in range(2)]
     for field in ("first_scheduled_s", "first_token_s", "finish_s"):
         np.testing.assert_array_equal(getattr(runs[0], field), getattr(runs[1], field))
     assert runs[0].metrics() == runs[1].metrics()
@@ -123,13 +154,13 @@ def test_step_times_come_from_the_cost_model(h200):
 
 def test_prefill_is_chunked_by_the_token_budget(h200):
     trace = Trace("long", [request(0, 0.0, tokens(1, 5000), 2)])
-    result = simulate(trace, h200, make_policy("fcfs"), config=EngineConfig(token_budget=1024, max_num_seqs=8))
+    result = simulate(trace, h200, make_policy("fcfs"), config=engine(token_budget=1024, max_num_seqs=8))
     assert result.num_steps == 5 + 1                         # ceil(5000 / 1024) prefill steps, one decode
 
 
 def test_request_too_large_for_the_cache_is_rejected(h200):
     trace = Trace("t", [request(0, 0.0, tokens(2, 3000), 4), request(1, 0.1, tokens(3, 100), 4)])
-    result = simulate(trace, h200, make_policy("fcfs"), config=EngineConfig(kv_capacity_tokens=2048))
+    result = simulate(trace, h200, make_policy("fcfs"), config=engine(kv_capacity_tokens=2048))
     assert list(result.finished) == [False, True]
     assert result.metrics()["rejected"] == 1
 
@@ -138,7 +169,7 @@ def test_observation_reflects_the_candidate(h200):
     prefix = tokens(4, 10 * BS)
     reqs = [request(i, 0.0, np.concatenate([prefix, tokens(10 + i, 50)]), 20) for i in range(3)]
     reqs.append(request(3, 0.0, tokens(99, 10 * BS + 50), 20))
-    sim = Simulator(Trace("t", reqs), h200, CHTOrder())
+    sim = Simulator(Trace("t", reqs), h200, CHTOrder(), config=engine())
     point = sim.next_admission()                              # request 0 was admitted unasked
     assert point.batch_size == 1 and point.candidate in (1, 2)
     assert point.stats.chunk_loss == 0 and point.stats.shared_chunks == 10
@@ -147,27 +178,99 @@ def test_observation_reflects_the_candidate(h200):
     sim.apply(ADD)
     point = sim.next_admission()
     assert point.candidate == 3 and point.stats.chunk_loss == 10
-    expected = build_observation(batch_size=3, chunk_loss=10, same_prefix_waiting=0, running_common_prefix=10,
-                                 candidate_context_tokens=10 * BS + 50, candidate_cached_fraction=0.0,
-                                 kv_utilisation=sim.kv.used_blocks / sim.kv.capacity_blocks, num_waiting=1,
-                                 oldest_wait_s=0.0)
-    np.testing.assert_allclose(point.observation, expected)
+    expected = [3, 10 * BS, 0, 10 * BS, 10 * BS + 50, 0.0, sim.kv.used_blocks / sim.kv.capacity_blocks, 1, 0.0]
+    np.testing.assert_allclose(point.raw, expected)
+    np.testing.assert_allclose(point.observation, normalise(np.array(expected)))
 
 
-def test_build_observation_takes_features_by_name_in_order():
-    import inspect
+# ---------------------------------------------------------------- vLLM semantics
+def test_blocks_are_registered_when_their_chunk_is_scheduled(h200):
+    """vLLM registers a block in ``allocate_slots``, for the tokens scheduled so far, not the
+    whole prompt at admission: mid chunked prefill only the scheduled chunks can be hit."""
+    prompt = tokens(5, 8 * BS + 10)
+    sim = Simulator(Trace("t", [request(0, 0.0, prompt, 4)]), h200, CHTOrder(), config=engine(token_budget=2 * BS + 10))
+    chain = sim.digest_lists[0]
+    sim._begin_step()
+    assert sim._propose() is None                           # admitted unasked; its first chunk scheduled
+    assert sim.kv.cached_prefix(chain) == 2 and sim.kv.blocks_held(0) == 3
+    sim._execute_step()
+    sim._begin_step()                                       # the next chunk: 2 * BS + 10 more tokens
+    assert sim.kv.cached_prefix(chain) == 4 and sim.kv.blocks_held(0) == 5
 
-    assert tuple(inspect.signature(build_observation).parameters) == FEATURE_NAMES
+
+def test_generated_blocks_are_hashed_and_stay_cached_after_the_request(h200):
+    prompt = tokens(8, 2 * BS + 10)
+    sim = Simulator(Trace("t", [request(0, 0.0, prompt, 3 * BS)]), h200, CHTOrder(), config=engine())
+    assert sim.next_admission() is None
+    # KV was computed for 5 * BS + 9 tokens: 5 full blocks, 2 of prompt and 3 holding generated tokens
+    assert len(sim._chains[0]) == 5 and sim.kv.cached_prefix(sim._chains[0]) == 5
+    assert sim.kv.cached_blocks == 5 and sim.kv.used_blocks == 0
+
+
+def test_waiting_time_bound_admits_overdue_requests_over_a_stop(h200):
+    reqs = [request(i, 0.0, tokens(40 + i, 300), 400) for i in range(4)]
+    always_stop = type("AlwaysStop", (), {"decide": lambda self, point: STOP})()
+
+    def run(max_wait_s):
+        sim = Simulator(Trace("t", reqs), h200, CHTOrder(), config=engine(max_wait_s=max_wait_s))
+        while (point := sim.next_admission()) is not None:
+            sim.apply(always_stop.decide(point))
+        return sim.result()
+
+    bounded, unbounded = run(0.05), run(1e9)
+    assert bounded.forced_wait_admissions == 3 and unbounded.forced_wait_admissions == 0
+    assert bounded.finished.all() and unbounded.finished.all()
+    # unbounded: always-STOP serves one at a time; bounded: the overdue ones join the batch
+    assert bounded.metrics()["makespan_s"] < unbounded.metrics()["makespan_s"]
+    assert np.nanmax(bounded.first_scheduled_s) < np.nanmax(unbounded.first_scheduled_s)
+
+
+def test_the_block_size_and_token_budget_default_to_the_profile(h200):
+    sim = Simulator(small_trace(num_requests=5), load_cost_model("cpu"), CHTOrder())
+    assert (sim.block_size, sim.config.token_budget) == (128, 4096)
+    sim = Simulator(small_trace(num_requests=5), h200, CHTOrder())
+    assert (sim.block_size, sim.config.token_budget) == (16, 8192)
+
+
+@pytest.mark.parametrize("block_size", [16, 128, 256])
+def test_one_token_level_state_gives_one_observation_at_every_block_size(h200, block_size):
+    """Prompts of multiples of 256 tokens: every feature is equal at block sizes 16, 128 and 256,
+    except KV utilisation, whose blocks hold a decoder's growth in steps of one block (at most
+    one block per running request apart)."""
+    observations = [decision_observations(h200, block_size), decision_observations(h200, 256)]
+    assert len(observations[0]) == len(observations[1]) >= 3
+    kv = FEATURE_INDEX["kv_utilisation"]
+    others = [i for i in range(len(FEATURE_NAMES)) if i != kv]
+    for a, b in zip(*observations):
+        np.testing.assert_allclose(a[others], b[others], rtol=1e-6)
+        assert abs(a[kv] - b[kv]) <= a[FEATURE_INDEX["batch_size"]] * 256 / KV_TOKENS
+
+
+KV_TOKENS = 64 * 256
+
+
+def decision_observations(cost_model, block_size: int) -> list[np.ndarray]:
+    """The raw features at every admission point of a fixed two-group trace (always ADD)."""
+    shared = [tokens(50 + g, 4 * 256) for g in range(2)]
+    reqs = [request(i, 0.01 * i, np.concatenate([shared[i % 2], tokens(60 + i, 256 * (1 + i % 3))]), 8)
+            for i in range(8)]
+    config = EngineConfig(block_size=block_size, kv_capacity_tokens=KV_TOKENS, token_budget=1024)
+    sim = Simulator(Trace("t", reqs), cost_model, CHTOrder(), config=config)
+    raws = []
+    while (point := sim.next_admission()) is not None:
+        raws.append(raw_features(sim, point.candidate))
+        sim.apply(ADD)
+    return raws
 
 
 # ---------------------------------------------------------------- CLI
 def test_sim_compare_cli_json_and_plot(tmp_path, capsys):
     plot = tmp_path / "bars.png"
     code = main(["sim", "compare", "--workload", "prefix-groups:groups=3,num_requests=40,rate=50",
-                 "--profile", "h200", "--policies", "fcfs,feather-rule,oracle", "--json", "--plot", str(plot)])
+                 "--profile", "h200", "--policies", "fcfs,feather-rule,group-label", "--json", "--plot", str(plot)])
     assert code == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert list(out["policies"]) == ["fcfs", "feather-rule", "oracle"]
+    assert list(out["policies"]) == ["fcfs", "feather-rule", "group-label"]
     assert out["policies"]["fcfs"]["ratio_to_fcfs"] == 1.0
     for metrics in out["policies"].values():
         assert metrics["requests"] == 40 and metrics["throughput_tok_s"] > 0

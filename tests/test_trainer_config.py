@@ -6,7 +6,7 @@ import pytest
 
 from trainer.cli import build_train_parser, main
 from feather_gym.costmodel import hardware_profile
-from trainer.config import TrainConfig, build_config, load_config_file
+from trainer.config import DEFAULT_MIXES, TrainConfig, build_config, load_config_file
 
 
 def flags(argv: list[str]) -> dict:
@@ -17,10 +17,20 @@ def flags(argv: list[str]) -> dict:
 def test_defaults_mix_sharing_and_no_sharing():
     config = build_config({}, flags([]))
     assert config == TrainConfig()
-    assert any(spec.startswith("no-sharing") for spec in config.workloads)
-    assert any(spec.startswith(("prefix-groups", "tool-agent", "long-doc-qa")) for spec in config.workloads)
     resolved = config.resolved()
     assert resolved.profile == hardware_profile() and resolved.output_dir is not None
+    assert any(spec.startswith("no-sharing") for spec in resolved.workloads)
+    assert any(spec.startswith(("prefix-groups", "tool-agent", "long-doc-qa")) for spec in resolved.workloads)
+
+
+@pytest.mark.parametrize("profile, device", [("vllm-cpu", "cpu"), ("h200", "cuda")])
+def test_the_built_in_mix_follows_the_profiles_device(profile, device):
+    resolved = TrainConfig(profile=profile).resolved()
+    assert resolved.workloads == DEFAULT_MIXES[device].workloads
+    assert resolved.kv_capacity_tokens == DEFAULT_MIXES[device].kv_capacity_tokens
+    assert resolved.engine().kv_capacity_tokens == resolved.kv_capacity_tokens
+    given = TrainConfig(profile=profile, workloads=("no-sharing",)).resolved()
+    assert given.workloads == ("no-sharing",) and given.kv_capacity_tokens is None   # the profile's KV
 
 
 @pytest.mark.parametrize("suffix,text", [
@@ -81,6 +91,67 @@ def test_export_needs_checkpoint_and_output(capsys):
     assert exit_info.value.code == 2 and "checkpoint" in capsys.readouterr().err
 
 
-def test_validation_and_evaluation_seeds_must_differ():
-    with pytest.raises(ValueError, match="disjoint"):
-        TrainConfig(eval_seeds=(1, 2), validation_seeds=(2, 3)).validate()
+# ---- held out means unseen: seed sets and trace splits --------------------------------------
+
+SMALL = ("no-sharing:num_requests=5",)
+
+
+@pytest.mark.parametrize("settings, first, second, seed", [
+    ({"seed": 9_001}, "training env seeds", "eval_seeds", 10_001),                  # 9_001 + 1000 x runner 1
+    ({"seed": 19_002}, "training env seeds", "validation_seeds", 20_002),
+    ({"seed": 49_003}, "training env seeds", "warm-start demonstration seeds", 50_003),
+    ({"seed": 0, "num_env_runners": 3, "eval_seeds": (3_000,)}, "training env seeds", "eval_seeds", 3_000),
+    ({"seed": 7, "num_env_runners": 0, "validation_seeds": (7,)}, "training env seeds", "validation_seeds", 7),
+    ({"validation_seeds": (50_001,)}, "warm-start demonstration seeds", "validation_seeds", 50_001),
+    ({"eval_seeds": (50_000, 10_001)}, "warm-start demonstration seeds", "eval_seeds", 50_000),
+    ({"eval_seeds": (1, 2), "validation_seeds": (2, 3)}, "validation_seeds", "eval_seeds", 2),
+])
+def test_overlapping_seed_sets_are_refused_naming_both_and_a_shared_seed(settings, first, second, seed):
+    config = TrainConfig(workloads=SMALL, **settings)
+    with pytest.raises(ValueError, match="pairwise disjoint") as error:
+        config.validate()
+    assert str(error.value).startswith(f"{first}") and f" and {second} share seed {seed}:" in str(error.value)
+
+
+def test_seed_sets_follow_the_env_runners_and_the_warm_start():
+    config = TrainConfig(workloads=SMALL, seed=5, num_env_runners=2)
+    sets = config.seed_sets()
+    assert sets["training env seeds (seed + 1000 x env runner)"] == (1_005, 2_005)
+    assert sets["warm-start demonstration seeds"] == (50_000, 50_001, 50_002, 50_003)
+    assert TrainConfig(num_env_runners=0, seed=5).training_env_seeds() == (5,)     # the local runner's envs
+    # Without a warm start (or when resuming) no demonstrations are recorded: their seeds are free.
+    TrainConfig(workloads=SMALL, warm_start="none", validation_seeds=(50_001,)).validate()
+    TrainConfig().validate()                                                    # the defaults are disjoint
+
+
+def test_training_env_seeds_are_the_seeds_the_env_creator_uses():
+    from ray.rllib.env.env_context import EnvContext
+
+    from trainer.train import env_config, make_training_env
+
+    config = TrainConfig(workloads=SMALL, seed=3, num_env_runners=2)
+    seeds = [make_training_env(EnvContext(env_config(config), worker_index=w)).unwrapped.config["seed"]
+             for w in (1, 2)]
+    assert tuple(seeds) == config.training_env_seeds()
+
+
+def test_trace_files_train_on_the_earlier_part_and_evaluate_on_the_later(tmp_path):
+    import traces
+    from trainer.train import env_config
+
+    path = tmp_path / "recorded.jsonl"
+    traces.write_trace(traces.resolve_workload("no-sharing:num_requests=40"), path)
+    config = TrainConfig(workloads=(str(path), "prefix-groups"), eval_fraction=0.25)
+    config.validate()
+    assert config.training_workloads() == (f"{path}@0-0.75", "prefix-groups")
+    assert config.evaluation_workloads() == (f"{path}@0.75-1", "prefix-groups")
+    assert env_config(config)["workloads"] == list(config.training_workloads())   # training, warm start
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--eval-fraction", "1.5"], "eval_fraction: must be in (0, 1)"),
+    (["--seed", "9001"], "training env seeds (seed + 1000 x env runner) and eval_seeds share seed 10001"),
+])
+def test_split_settings_fail_fast_on_the_command_line(tmp_path, capsys, argv, message):
+    assert main(argv + ["--workload", SMALL[0], "--profile", "cpu", "--output", str(tmp_path / "out")]) == 2
+    assert message in capsys.readouterr().err and not (tmp_path / "out").exists()

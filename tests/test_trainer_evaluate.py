@@ -2,8 +2,9 @@
 
 import pytest
 
-from feather_gym.policies import make_policy
-from trainer.evaluate import Benchmark, validation_score
+import traces
+from feather_gym.policies import BASELINES, make_policy
+from trainer.evaluate import POLICY_LABEL, Benchmark, format_table, validation_score
 
 WORKLOADS = ("prefix-groups:num_requests=120,groups=3,rate=100", "no-sharing:num_requests=120")
 
@@ -15,7 +16,7 @@ def bench():
 
 def test_targets_follow_the_issue(bench):
     sharing, control = WORKLOADS
-    best = max((n for n in bench.baselines[sharing] if n != "oracle"), key=bench.baselines[sharing].get)
+    best = max((n for n in bench.baselines[sharing] if n != "group-label"), key=bench.baselines[sharing].get)
     at_best = bench.judge(sharing, bench.baselines[sharing][best])
     assert at_best["target"] == f">= best heuristic ({best})" and at_best["target_met"] and at_best["margin"] == 1.0
     assert not bench.judge(sharing, 0.99 * bench.baselines[sharing][best])["target_met"]
@@ -37,3 +38,26 @@ def test_validation_score_ranks_the_worst_workload_first():
     assert validation_score(evaluation(0.95, 1.30)) < validation_score(evaluation(0.97, 1.00))
     # Once every target is met the worst margin is capped and the mean decides.
     assert validation_score(evaluation(1.00, 1.30)) > validation_score(evaluation(1.10, 1.10))
+
+
+def test_every_result_reports_its_load_regime(bench):
+    evaluation = bench.evaluate(make_policy("fcfs"))
+    for result in evaluation["workloads"]:
+        assert set(result["load"]) == {*BASELINES, POLICY_LABEL}
+        assert result["load"][POLICY_LABEL] == result["load"]["fcfs"]
+        span = result["arrival_span_s"]
+        assert span > 0
+        for load in result["load"].values():
+            assert load["makespan_s"] >= span                 # every request finishes after the last arrival
+            assert 0 <= load["queue_delay_mean_s"] <= load["queue_delay_p99_s"] <= load["makespan_s"]
+    table = format_table(evaluation)
+    assert "load regime (s)" in table and "group-label" in table and "arrival span" in table
+
+
+def test_a_trace_file_is_run_once_and_generators_once_per_seed(tmp_path):
+    path = tmp_path / "recorded.jsonl"
+    traces.write_trace(traces.resolve_workload(WORKLOADS[1], seed=3), path)
+    spec = f"{path}@0.7-1"
+    bench = Benchmark(workloads=(spec, WORKLOADS[1]), profile="cpu", seeds=(10_001, 10_002))
+    runs = {result["workload"]: result["runs"] for result in bench.evaluate(make_policy("fcfs"))["workloads"]}
+    assert runs == {spec: 1, WORKLOADS[1]: 2}

@@ -62,7 +62,7 @@ def test_tiny_training_run_exports_a_valid_policy(tmp_path, capsys, monkeypatch)
 
     (result_a, result_b) = summary["evaluation"]["workloads"]
     for result in (result_a, result_b):
-        assert {"fcfs", "lpm", "dfs", "feather-rule", "oracle", "trained"} <= set(result["throughput_tok_s"])
+        assert {"fcfs", "lpm", "dfs", "feather-rule", "group-label", "trained"} <= set(result["throughput_tok_s"])
         assert result["ratio_to_fcfs"]["fcfs"] == 1.0 and result["throughput_tok_s"]["trained"] > 0
     assert result_a["target"].startswith(">= best heuristic") and result_b["target"].endswith("x fcfs")
 

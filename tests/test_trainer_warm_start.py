@@ -9,7 +9,7 @@ from feather_gym.policies import FeatherRule
 from trainer.warm_start import clone_into, demonstrator, record_demonstrations
 
 ENV_CONFIG = {"workloads": ["prefix-groups:groups=3,num_requests=200,rate=50", "no-sharing:num_requests=100"],
-              "profile": "cpu", "window_requests": 1000, "max_decisions": 4096, "wait_penalty": 0.0}
+              "profile": "rtx6000-ada", "window_requests": 1000, "max_decisions": 4096, "wait_penalty": 0.0}
 
 
 def ppo_module(hidden=(32,)):

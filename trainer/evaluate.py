@@ -2,8 +2,11 @@
 
 For each workload of the mix and each held-out seed, the gym's comparison runs the same trace
 under every baseline (:data:`feather_gym.policies.BASELINES`) and the trained policy; throughput
-is then averaged over the seeds. Targets (the issue's): on a prefix-sharing workload the policy
-must reach the best *heuristic* (every baseline but the label-reading oracle); on a workload
+is then averaged over the seeds. A trace file ignores the seed, so it is run once (its held-out
+part is a time window, :func:`traces.workload.split_spec`). Each result carries its load regime
+(``SimResult.metrics``: arrival span, makespan, queueing delay per policy).
+Targets (the issue's): on a prefix-sharing workload the policy must reach the best *heuristic*
+(every baseline but ``group-label``, which reads the generators' group labels); on a workload
 without sharing it must stay within ``NO_SHARING_TOLERANCE`` of FCFS. Throughputs within
 ``TIE_TOLERANCE`` (relative) of the best heuristic count as reaching it (arrival-bound traces
 finish within a fraction of a token per second of each other under every policy). A workload counts as
@@ -19,7 +22,9 @@ from pathlib import Path
 import numpy as np
 
 POLICY_LABEL = "trained"
-REFERENCE_ONLY = ("oracle",)        # knows the true group labels: shown, never a target
+REFERENCE_ONLY = ("group-label",)   # reads the generators' group labels: shown, never a target
+#: The per-policy figures of :meth:`Benchmark.run`, each a mean over a workload's runs.
+RUN_FIGURES = ("throughput_tok_s", "makespan_s", "queue_delay_mean_s", "queue_delay_p99_s")
 NO_SHARING_TOLERANCE = 0.02
 TIE_TOLERANCE = 0.001
 SHARING_RATIO_MIN = 0.05
@@ -30,38 +35,49 @@ class Benchmark:
     once, against which any number of policies are then judged (the final evaluation judges the
     exported file; training judges its current network on validation seeds to keep the best)."""
 
-    def __init__(self, *, workloads: Sequence[str], profile: str, seeds: Sequence[int]) -> None:
+    def __init__(self, *, workloads: Sequence[str], profile: str, seeds: Sequence[int], engine=None) -> None:
         import traces
         from feather_gym.costmodel import load_cost_model
         from feather_gym.policies import BASELINES, make_policy
         from feather_gym.simulator import EngineConfig, trace_digests
         from traces.stats import trace_stats
+        from traces.workload import is_generated
 
         self.profile, self.seeds = profile, list(seeds)
         self.cost_model = load_cost_model(profile)
-        self._runs = {}          # spec -> [(trace, digests)] per seed
+        self.engine = (engine or EngineConfig()).resolve(self.cost_model)
+        self._runs = {}          # spec -> [(trace, digests)]: one per seed, or one for a trace file
         self.baselines = {}      # spec -> {baseline: mean throughput}
+        self.loads = {}          # spec -> {baseline: mean makespan and queueing delays}
         self.sharing_ratio = {}  # spec -> mean prefix sharing ratio
+        self.arrival_span = {}   # spec -> mean arrival span (s)
         for spec in workloads:
             runs = []
-            for seed in self.seeds:
+            for seed in self.seeds if is_generated(spec) else self.seeds[:1]:
                 trace = traces.resolve_workload(spec, seed=seed)
-                runs.append((trace, trace_digests(trace, EngineConfig.block_size)))
+                runs.append((trace, trace_digests(trace, self.engine.block_size)))
             self._runs[spec] = runs
             self.sharing_ratio[spec] = float(np.mean([trace_stats(trace)["prefix_sharing_ratio"] for trace, _ in runs]))
-            self.baselines[spec] = {name: self.throughput(spec, make_policy(name)) for name in BASELINES}
+            self.arrival_span[spec] = float(np.mean([trace.duration_s for trace, _ in runs]))
+            figures = {name: self.run(spec, make_policy(name)) for name in BASELINES}
+            self.baselines[spec] = {name: run.pop("throughput_tok_s") for name, run in figures.items()}
+            self.loads[spec] = figures
 
-    def throughput(self, spec: str, policy) -> float:
-        """Mean throughput (output tok/s) of ``policy`` (a :class:`feather_gym.policies.Policy`) on ``spec``."""
+    def run(self, spec: str, policy) -> dict:
+        """:data:`RUN_FIGURES` of ``policy`` (a :class:`feather_gym.policies.Policy`) on ``spec``:
+        throughput (output tok/s), makespan and queueing delays (s), each the mean over the runs."""
         from feather_gym.simulator import simulate
 
-        return float(np.mean([simulate(trace, self.cost_model, policy, digests=digests).metrics()["throughput_tok_s"]
-                              for trace, digests in self._runs[spec]]))
+        runs = [simulate(trace, self.cost_model, policy, config=self.engine, digests=digests).metrics()
+                for trace, digests in self._runs[spec]]
+        return {key: float(np.mean([metrics[key] for metrics in runs])) for key in RUN_FIGURES}
 
     def judge(self, spec: str, trained: float) -> dict:
         """The per-workload result for a trained policy reaching ``trained`` tok/s on ``spec``.
 
         ``margin`` is trained over the target's throughput: >= 1 (less the tie tolerance) meets it.
+        ``load`` holds the baselines' makespan and queueing delays (:meth:`evaluate` adds the
+        trained policy's).
         """
         mean = {**self.baselines[spec], POLICY_LABEL: trained}
         fcfs = mean["fcfs"]
@@ -73,7 +89,10 @@ class Benchmark:
             target, needed, tolerance = f">= {1 - NO_SHARING_TOLERANCE:.2f} x fcfs", (1 - NO_SHARING_TOLERANCE) * fcfs, 0.0
         return {
             "workload": spec,
+            "runs": len(self._runs[spec]),
             "prefix_sharing_ratio": self.sharing_ratio[spec],
+            "arrival_span_s": self.arrival_span[spec],
+            "load": {name: dict(figures) for name, figures in self.loads[spec].items()},
             "throughput_tok_s": mean,
             "ratio_to_fcfs": {name: value / fcfs for name, value in mean.items()},
             "target": target,
@@ -83,8 +102,13 @@ class Benchmark:
 
     def evaluate(self, policy) -> dict:
         """``{"profile", "seeds", "workloads": [judge(...) per workload]}`` for ``policy``."""
-        return {"profile": self.profile, "seeds": self.seeds,
-                "workloads": [self.judge(spec, self.throughput(spec, policy)) for spec in self._runs]}
+        results = []
+        for spec in self._runs:
+            figures = self.run(spec, policy)
+            result = self.judge(spec, figures.pop("throughput_tok_s"))
+            result["load"][POLICY_LABEL] = figures
+            results.append(result)
+        return {"profile": self.profile, "seeds": self.seeds, "workloads": results}
 
 
 def validation_score(evaluation: dict) -> tuple[float, float]:
@@ -96,22 +120,34 @@ def validation_score(evaluation: dict) -> tuple[float, float]:
 
 
 def evaluate_policy(policy_path: str | Path, *, workloads: Sequence[str], profile: str,
-                    seeds: Sequence[int]) -> dict:
-    """:meth:`Benchmark.evaluate` of the ONNX policy file ``policy_path``."""
+                    seeds: Sequence[int], engine=None) -> dict:
+    """:meth:`Benchmark.evaluate` of the ONNX policy file ``policy_path`` (``engine``: an
+    ``EngineConfig``, default the profile's)."""
     from feather_gym.policies import make_policy
 
-    return Benchmark(workloads=workloads, profile=profile, seeds=seeds).evaluate(make_policy(str(policy_path)))
+    return Benchmark(workloads=workloads, profile=profile, seeds=seeds,
+                     engine=engine).evaluate(make_policy(str(policy_path)))
 
 
 def format_table(evaluation: dict) -> str:
-    """The comparison as a fixed-width table: throughput (tok/s) and ratio to FCFS per policy."""
+    """The comparison as fixed-width tables: throughput (tok/s) and ratio to FCFS per policy,
+    then the load regime: arrival span, and per policy makespan and queueing delay mean/p99 (s)."""
     results = evaluation["workloads"]
     names = list(results[0]["throughput_tok_s"])
     width = max(len(r["workload"]) for r in results)
-    lines = [f"held-out evaluation, profile {evaluation['profile']}, seeds {evaluation['seeds']} "
-             f"(mean output tok/s; x = ratio to fcfs)",
-             f"{'workload':<{width}}  " + "  ".join(f"{n:>18}" for n in names) + "  target"]
+    columns = "  ".join(f"{n:>18}" for n in names)
+    lines = [f"held-out evaluation, profile {evaluation['profile']}, seeds {evaluation['seeds']} (trace files: "
+             f"one run) (mean output tok/s; x = ratio to fcfs)",
+             f"{'workload':<{width}}  {columns}  target"]
     for r in results:
         cells = "  ".join(f"{r['throughput_tok_s'][n]:>10.1f} {r['ratio_to_fcfs'][n]:>5.3f}x" for n in names)
         lines.append(f"{r['workload']:<{width}}  {cells}  {r['target']}: {'met' if r['target_met'] else 'NOT met'}")
+    loads = [[f"{r['load'][n]['makespan_s']:.1f} {r['load'][n]['queue_delay_mean_s']:.1f}/"
+              f"{r['load'][n]['queue_delay_p99_s']:.1f}" for n in names] for r in results]
+    cell = max(18, *(len(text) for row in loads for text in row))
+    lines += ["load regime (s): makespan, then queueing delay (arrival to first scheduling) mean/p99",
+              f"{'workload':<{width}}  " + "  ".join(f"{n:>{cell}}" for n in names) + "  arrival span"]
+    for r, row in zip(results, loads):
+        lines.append(f"{r['workload']:<{width}}  " + "  ".join(f"{text:>{cell}}" for text in row)
+                     + f"  {r['arrival_span_s']:.1f}")
     return "\n".join(lines)

@@ -5,7 +5,8 @@ workload mix and cost-model profile, warm-start the network from a baseline
 (:mod:`trainer.warm_start`, the Feather rule by default), iterate until the budget is spent
 (printing a progress line per iteration and logging RLlib's metrics for TensorBoard), validate
 the greedy network every few iterations on validation seeds and keep the best checkpoint,
-export ``policy.onnx`` from it, evaluate it against every baseline on held-out seeds, and write
+export ``policy.onnx`` from it, evaluate it against every baseline on held-out seeds (trace files:
+on the held-out later part of the trace, :meth:`TrainConfig.evaluation_workloads`), and write
 the learning curve and a JSON summary. Output folder layout::
 
     <output>/checkpoint/        best-validated RLlib checkpoint (+ feather_training.json: profile, workloads, date)
@@ -29,21 +30,21 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from feather_gym.policies import Policy
-from trainer.config import TrainConfig
+from trainer.config import TrainConfig, training_env_seed
 from trainer.logs import IterationRecord, RunLog
 
 RLLIB_ENV_NAME = "feather-batch-formation"
 TRAINING_INFO_FILE = "feather_training.json"   # inside the checkpoint: what export needs to label the policy
-SEED_STRIDE = 1_000                             # env seed = seed + SEED_STRIDE * worker + vector index
 
 
 def make_training_env(env_context):
-    """RLlib env creator: the Feather env, seeded distinctly per env runner and vector slot."""
+    """RLlib env creator: the Feather env, its workload seeded per env runner
+    (:func:`trainer.config.training_env_seed`)."""
     import gymnasium as gym
 
     from feather_gym.envs import ENV_ID
 
-    seed = env_context["seed"] + SEED_STRIDE * env_context.worker_index + env_context.vector_index
+    seed = training_env_seed(env_context["seed"], env_context.worker_index)
     return gym.make(ENV_ID, **{**env_context, "seed": seed})
 
 
@@ -69,10 +70,11 @@ def ray_session(address: str | None) -> Iterator[None]:
 
 
 def env_config(config: TrainConfig) -> dict:
-    """The Feather env's settings for ``config`` (unset ones keep the env's defaults)."""
-    settings = {"workloads": list(config.workloads), "profile": config.profile, "seed": config.seed,
+    """The Feather env's settings for ``config`` (unset ones keep the env's defaults): the
+    training part of each workload (:meth:`TrainConfig.training_workloads`)."""
+    settings = {"workloads": list(config.training_workloads()), "profile": config.profile, "seed": config.seed,
                 "window_requests": config.window_requests, "max_decisions": config.max_decisions,
-                "wait_penalty": config.wait_penalty}
+                "wait_penalty": config.wait_penalty, "kv_capacity_tokens": config.kv_capacity_tokens}
     return {key: value for key, value in settings.items() if value is not None}
 
 
@@ -125,7 +127,8 @@ class NetworkPolicy(Policy):
 
 
 class BestCheckpoint:
-    """Keeps, in ``path``, the checkpoint whose greedy policy scored best on the validation seeds.
+    """Keeps, in ``path``, the checkpoint whose greedy policy scored best on the validation seeds
+    (trace files: on their training part; the later part stays unseen until the final evaluation).
 
     Score: :func:`trainer.evaluate.validation_score` (the worst workload's throughput over its
     target, then the mean), so the kept policy is the one closest to meeting every target at
@@ -137,7 +140,8 @@ class BestCheckpoint:
         from trainer.evaluate import Benchmark
 
         self.algo, self.path = algo, path
-        self.benchmark = Benchmark(workloads=config.workloads, profile=config.profile, seeds=config.validation_seeds)
+        self.benchmark = Benchmark(workloads=config.training_workloads(), profile=config.profile,
+                                   seeds=config.validation_seeds, engine=config.engine())
         self.best_score = (-math.inf, -math.inf)
         self.best_iteration: int | None = None
         self.history: list[dict] = []
@@ -247,8 +251,8 @@ def train(config: TrainConfig, *, progress: Callable[[str], None] = print) -> di
     progress(f"exported {policy_path} (max abs diff vs torch: random {parity['max_abs_diff_random']:.2g}, "
              f"real {parity['max_abs_diff_real']:.2g})")
     eval_start = time.monotonic()
-    evaluation = evaluate_policy(policy_path, workloads=config.workloads, profile=config.profile,
-                                 seeds=config.eval_seeds)
+    evaluation = evaluate_policy(policy_path, workloads=config.evaluation_workloads(), profile=config.profile,
+                                 seeds=config.eval_seeds, engine=config.engine())
     progress(format_table(evaluation))
     summary = {
         "config": config.to_json(),

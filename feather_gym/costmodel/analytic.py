@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 
 from .features import COLUMNS
-from .profile_io import ENGINE_BLOCK_SIZE, PROFILE_SCHEMA
+from .profile_io import ENGINE_DEFAULTS, PROFILE_SCHEMA
 from .shapes import model_preset
 
 
@@ -99,7 +99,7 @@ def analytic_profile(gpu: str, model: str = "llama3-8b") -> dict:
         "settings": {"note": "ANALYTIC: derived from public specs and assumptions, not measured",
                      "spec": asdict(spec), "assumptions": ASSUMPTIONS},
         "kv_cache_bytes": kv_cache_bytes,
-        "block_size": ENGINE_BLOCK_SIZE["cuda"],
+        **ENGINE_DEFAULTS["cuda"],
         "coefficients": {"per_request": analytic_coefficients(spec, shape, cascade=False),
                          "cascade": analytic_coefficients(spec, shape, cascade=True)},
         "cache_bytes_effective": spec.l2_bytes * ASSUMPTIONS["l2_share_for_kv"],

@@ -6,6 +6,7 @@ import json
 import sys
 
 from .homogeneity import PAPER_SPEEDUP_BAND
+from .profile_io import PHASES
 
 
 def _run(args) -> int:
@@ -23,37 +24,37 @@ def _run(args) -> int:
         from .profiler_vllm import run_vllm_profile
 
         profile = run_vllm_profile(args.model, args.device, quick=args.quick, repeats=args.repeats,
-                                   name=args.name, progress=progress)
+                                   name=args.name, progress=progress, threads=args.threads)
     save_profile(profile, args.output)
     print(f"wrote {len(profile['measurements'])} measurements to {args.output}")
     return 0
 
 
-#: (batch size, groups, prefix tokens, own tokens) of the homogeneity comparison on small models.
+#: (batch size, groups, prefix tokens, own tokens) of the homogeneity comparison on small models,
+#: unless the profile's ``settings.homogeneity_point`` names the one its grid measured.
 CPU_HOMOGENEITY = (32, 8, 8192, 256)
 
 
 def fit_report(profile: dict) -> dict:
     """Held-out error, fitted coefficients and the homogeneity comparison for each attention variant."""
-    from .fit import cross_validate
+    from .fit import attention_variants, cross_validate
     from .homogeneity import homogeneity_comparison, measured_comparison, paper_check
     from .model import cost_model_from_profile
 
     report = {"profile": profile["name"], "kind": profile["kind"], "backend": profile["backend"],
               "model": profile["model"]["name"], "hardware": profile["hardware"]["name"], "variants": {}}
-    variants = [v for v in ("per_request", "cascade")
-                if profile["kind"] == "analytic" or any(r.get("attention") == v for r in profile["measurements"])]
-    for variant in variants:
+    homogeneity_point = tuple(profile["settings"].get("homogeneity_point", CPU_HOMOGENEITY))
+    for variant in attention_variants(profile):
         model = cost_model_from_profile(profile, cascade=variant == "cascade")
         entry = {"coefficients": model.describe()}
         if profile["kind"] == "measured":
             entry["held_out"] = cross_validate(profile, cascade=variant == "cascade")
         if profile["model"]["name"] == "llama3-8b":
             entry["homogeneity"] = paper_check(model)
-        else:  # the points the CPU grids always measure (profiler_torch.HOMOGENEITY_POINTS)
-            entry["homogeneity"] = homogeneity_comparison(model, *CPU_HOMOGENEITY)
+        else:  # the points the CPU grids always measure (HOMOGENEITY_POINTS, VLLM_HOMOGENEITY)
+            entry["homogeneity"] = homogeneity_comparison(model, *homogeneity_point)
             if profile["kind"] == "measured":
-                entry["homogeneity_measured"] = measured_comparison(profile, variant, *CPU_HOMOGENEITY)
+                entry["homogeneity_measured"] = measured_comparison(profile, variant, *homogeneity_point)
         report["variants"][variant] = entry
     return report
 
@@ -72,7 +73,12 @@ def _fit(args) -> int:
               f"effective cache {c['cache_bytes_effective'] / 2**20:.1f} MiB, KV capacity {c['kv_capacity_tokens']} tokens")
         if "held_out" in entry:
             h = entry["held_out"]
-            print(f"  held-out ({h['folds']}-fold, {h['rows']} rows): MAPE {h['mape']:.1%}, worst {h['max_ape']:.1%}")
+            print(f"  held-out ({h['folds']}-fold, {h['rows']} rows): MAPE {h['mape']:.1%}, worst {h['max_ape']:.1%}; "
+                  + ", ".join(f"{phase} ({h[f'{phase}_rows']}) {h[f'{phase}_mape']:.1%} / {h[f'{phase}_max_ape']:.1%}"
+                              for phase in PHASES if f"{phase}_rows" in h))
+            worst = {k: v for k, v in h["worst"].items() if k not in ("measured_s", "predicted_s", "ape")}
+            print(f"  worst row: {worst}: measured {h['worst']['measured_s'] * 1e3:.1f} ms, "
+                  f"predicted {h['worst']['predicted_s'] * 1e3:.1f} ms")
         _print_comparison("predicted", entry["homogeneity"])
         if entry.get("homogeneity_measured"):
             _print_comparison("measured", entry["homogeneity_measured"])
@@ -110,15 +116,17 @@ def register(commands) -> None:
     from .shapes import MODEL_PRESETS
 
     profile = commands.group("profile", help="profile decode steps and fit step-time cost models")
-    run = profile.add_parser("run", help="measure decode/prefill step times over a grid of batch compositions")
+    run = profile.add_parser("run", help="measure decode/prefill/mixed step times over a grid of step compositions")
     run.add_argument("--backend", choices=("torch", "vllm"), default="torch")
     run.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     run.add_argument("--model", choices=tuple(MODEL_PRESETS), default="smollm2-135m")
     run.add_argument("--quick", action="store_true", help="small grid, 5 repeats (< 3 min on a 2-core CPU)")
     run.add_argument("--layers", type=int, default=None,
                      help="layers to run (torch; default: 4 on CPU, all on CUDA); times are scaled to the model")
-    run.add_argument("--repeats", type=int, default=None, help="timed repetitions per point (default 5 quick, 7 full)")
-    run.add_argument("--threads", type=int, default=1, help="torch intra-op threads (torch backend; default 1)")
+    run.add_argument("--repeats", type=int, default=None,
+                     help="timed repetitions per point (default 5 quick; full: 7 torch, 8 vllm)")
+    run.add_argument("--threads", type=int, default=1,
+                     help="torch intra-op threads (default 1: steps are timed in thread CPU time, robust to load)")
     run.add_argument("--name", default=None, help="profile name (default: the device)")
     run.add_argument("-o", "--output", required=True, help="profile JSON file to write")
     run.set_defaults(func=_run)

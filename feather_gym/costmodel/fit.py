@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from .features import COLUMNS, DecodeBatch, step_features
+from .profile_io import ATTENTION_VARIANTS, COMPOSITION_FIELDS, PHASES
 from .shapes import ModelShape
 
 #: Effective cache sizes tried, as multiples of the hardware's (last-level) cache size.
@@ -57,19 +58,44 @@ def nnls(a: np.ndarray, b: np.ndarray, max_iter: int | None = None) -> np.ndarra
     return coefficients
 
 
+def attention_variants(profile: dict) -> tuple[str, ...]:
+    """The attention variants a validated profile can be loaded with: both for an analytic
+    profile, those its decode rows measured for a measured one (the vllm backend measures
+    the engine's own attention only)."""
+    if profile["kind"] == "analytic":
+        return ATTENTION_VARIANTS
+    measured = {row["attention"] for row in profile["measurements"] if row["phase"] == "decode"}
+    return tuple(v for v in ATTENTION_VARIANTS if v in measured)
+
+
 def measurement_rows(profile: dict, cascade: bool) -> list[dict]:
-    """The profile's prefill rows and the decode rows of the requested attention variant."""
+    """The profile's prefill rows and the decode and mixed rows of the requested attention variant."""
     variant = "cascade" if cascade else "per_request"
     return [row for row in profile["measurements"]
             if row["phase"] == "prefill" or row["attention"] == variant]
 
 
-def row_features(row: dict, shape: ModelShape, cache_bytes: float, cascade: bool) -> tuple[float, ...]:
-    if row["phase"] == "prefill":
-        return step_features(DecodeBatch(0, 0, 0, 0), row["new_tokens"], row["cached_tokens"],
-                             shape, cache_bytes, cascade)
-    batch = DecodeBatch(row["batch_size"], row["total_kv_tokens"], row["unique_kv_tokens"], row["num_groups"])
-    return step_features(batch, 0, 0, shape, cache_bytes, cascade)
+_EMPTY = DecodeBatch(0, 0, 0, 0)
+_FIXED = COLUMNS.index("fixed")
+
+
+def row_features(row: dict, shape: ModelShape, cache_bytes: float, cascade: bool) -> np.ndarray:
+    """The :data:`COLUMNS` row of a measured step.
+
+    A step of ``prefill_requests`` = k chunks is composed as the simulator composes it: the
+    decode batch with the first chunk (``step_features``), plus k - 1 further chunks without
+    their fixed cost (one fixed cost per step).
+    """
+    batch = _EMPTY if row["phase"] == "prefill" else DecodeBatch(
+        row["batch_size"], row["total_kv_tokens"], row["unique_kv_tokens"], row["num_groups"])
+    new, cached = row.get("new_tokens", 0), row.get("cached_tokens", 0)
+    features = np.array(step_features(batch, new, cached, shape, cache_bytes, cascade))
+    further = row.get("prefill_requests", 1) - 1
+    if further:
+        chunk = np.array(step_features(_EMPTY, new, cached, shape, cache_bytes, cascade))
+        chunk[_FIXED] = 0.0
+        features += further * chunk
+    return features
 
 
 def _solve(rows: list[dict], shape: ModelShape, cache_bytes: float, cascade: bool) -> tuple[np.ndarray, float]:
@@ -100,10 +126,11 @@ def predict_rows(rows: list[dict], coefficients: dict[str, float], shape: ModelS
 
 
 def cross_validate(profile: dict, cascade: bool, folds: int = 5, seed: int = 0) -> dict:
-    """k-fold held-out error of the fit: MAPE and worst case, overall and per phase.
+    """k-fold held-out error of the fit: MAPE and worst case, overall and per phase, and the worst row.
 
     Each row is predicted by a model fitted without its fold. Returns fractions
-    (``mape`` 0.05 = 5%) and the row count.
+    (``mape`` 0.05 = 5%), the row count, and ``worst``: the composition of the row with the
+    largest error, its measured and predicted seconds and that error (``ape``).
     """
     rows = measurement_rows(profile, cascade)
     if len(rows) < 2 * folds:
@@ -111,18 +138,23 @@ def cross_validate(profile: dict, cascade: bool, folds: int = 5, seed: int = 0) 
     shape = ModelShape.from_dict(profile["model"])
     cache = profile["hardware"]["cache_bytes"]
     fold_of = np.random.default_rng(seed).permutation(len(rows)) % folds
-    errors = np.zeros(len(rows))
+    measured = np.array([row["median_s"] for row in rows])
+    predicted = np.zeros(len(rows))
     for fold in range(folds):
         train = [row for row, f in zip(rows, fold_of) if f != fold]
         test = [row for row, f in zip(rows, fold_of) if f == fold]
         coefficients, cache_bytes = fit_rows(train, shape, cache, cascade)
-        predicted = predict_rows(test, coefficients, shape, cache_bytes, cascade)
-        measured = np.array([row["median_s"] for row in test])
-        errors[fold_of == fold] = np.abs(predicted - measured) / measured
+        predicted[fold_of == fold] = predict_rows(test, coefficients, shape, cache_bytes, cascade)
+    errors = np.abs(predicted - measured) / measured
     report = {"folds": folds, "rows": len(rows), "mape": float(errors.mean()), "max_ape": float(errors.max())}
-    for phase in ("decode", "prefill"):
+    for phase in PHASES:
         mask = np.array([row["phase"] == phase for row in rows])
         if mask.any():
+            report[f"{phase}_rows"] = int(mask.sum())
             report[f"{phase}_mape"] = float(errors[mask].mean())
             report[f"{phase}_max_ape"] = float(errors[mask].max())
+    worst = int(np.argmax(errors))
+    composition = {k: v for k, v in rows[worst].items() if k in COMPOSITION_FIELDS}
+    report["worst"] = {**composition, "measured_s": float(measured[worst]), "predicted_s": float(predicted[worst]),
+                       "ape": float(errors[worst])}
     return report

@@ -7,8 +7,9 @@ A measured profile is fitted when loaded (milliseconds); an analytic one carries
 coefficients.
 
 ``kv_capacity_tokens = kv_cache_bytes // model_shape.kv_bytes_per_token``: the profile's
-KV-cache budget (see :mod:`analytic` for GPUs; the CPU profile records the KV space of
-the vLLM CPU backend, 4 GiB) divided by the KV bytes of one token over all layers.
+KV-cache budget (see :mod:`analytic` for GPUs; a vllm-backend profile records the KV blocks
+the engine allocated, the torch-backend ``cpu`` profile a KV space of 4 GiB) divided by the
+KV bytes of one token over all layers.
 """
 
 from __future__ import annotations
@@ -19,18 +20,23 @@ from types import MappingProxyType
 from typing import Mapping
 
 from .features import COLUMNS, DecodeBatch, step_features
-from .fit import fit_rows, measurement_rows
-from .profile_io import load_profile, profile_block_size
+from .fit import attention_variants, fit_rows, measurement_rows
+from .profile_io import load_profile, profile_engine
 from .shapes import ModelShape
 
 PROFILE_DIR = Path(__file__).parent / "profiles"
-#: Profiles shipped in ``profiles/``: "cpu" measured here, the others analytic.
-SHIPPED_PROFILES = ("cpu", "h100", "h200", "a100", "rtx6000-ada")
+#: The default profile on a machine without a GPU: the vLLM CPU engine, measured by the vllm backend.
+CPU_PROFILE = "vllm-cpu"
+#: Analytic GPU profiles, picked by the visible GPU's name.
+GPU_PROFILES = ("h100", "h200", "a100", "rtx6000-ada")
+#: Profiles shipped in ``profiles/``: "vllm-cpu" and "cpu" (torch backend) measured here, the GPUs' analytic.
+SHIPPED_PROFILES = (CPU_PROFILE, "cpu") + GPU_PROFILES
 _EMPTY = DecodeBatch(0, 0, 0, 0)
 
 
 def hardware_profile() -> str:
-    """The shipped profile for this machine: the one named in the visible GPU's name, else ``cpu``.
+    """The shipped profile for this machine: the one named in the visible GPU's name, else
+    :data:`CPU_PROFILE` (also on a GPU no profile names).
 
     ``"NVIDIA H200"`` -> ``"h200"``, ``"NVIDIA RTX 6000 Ada Generation"`` -> ``"rtx6000-ada"``
     (names are compared on their letters and digits only). torch is imported lazily.
@@ -42,7 +48,7 @@ def hardware_profile() -> str:
     except ImportError:
         gpu = ""
     gpu = _alphanumeric(gpu)
-    return next((name for name in SHIPPED_PROFILES if name != "cpu" and _alphanumeric(name) in gpu), "cpu")
+    return next((name for name in GPU_PROFILES if gpu and _alphanumeric(name) in gpu), CPU_PROFILE)
 
 
 def _alphanumeric(text: str) -> str:
@@ -55,7 +61,8 @@ class CostModel:
 
     ``coefficients`` maps each of :data:`features.COLUMNS` to seconds per unit (>= 0).
     ``cache_bytes`` is the effective cache size of the locality term. ``block_size`` is the
-    engine's KV block size in tokens (the simulator's block and CHT chunk size).
+    engine's KV block size in tokens (the simulator's block and CHT chunk size) and
+    ``token_budget`` its ``max_num_batched_tokens``; ``device`` is the profile's (``"cpu"`` or ``"cuda"``).
     """
 
     name: str
@@ -65,6 +72,8 @@ class CostModel:
     cache_bytes: float
     kv_cache_bytes: int
     block_size: int
+    token_budget: int
+    device: str
     kind: str = "measured"
     _vector: tuple[float, ...] = field(init=False, repr=False)
 
@@ -72,8 +81,8 @@ class CostModel:
         missing = set(COLUMNS) - set(self.coefficients)
         if missing:
             raise ValueError(f"cost model {self.name!r}: coefficients missing {sorted(missing)}")
-        if self.block_size < 1:
-            raise ValueError(f"cost model {self.name!r}: block_size must be >= 1, got {self.block_size}")
+        if min(self.block_size, self.token_budget) < 1:
+            raise ValueError(f"cost model {self.name!r}: block_size and token_budget must be >= 1")
         if any(self.coefficients[c] < 0 for c in COLUMNS):
             raise ValueError(f"cost model {self.name!r}: coefficients must be non-negative")
         object.__setattr__(self, "coefficients", MappingProxyType(dict(self.coefficients)))
@@ -113,6 +122,7 @@ class CostModel:
             "attn_flops_s": rate("attn_flops"), "prefill_token_us": c["prefill_tokens"] * 1e6,
             "prefill_attn_flops_s": rate("prefill_attn_flops"), "cache_bytes_effective": self.cache_bytes,
             "kv_capacity_tokens": self.kv_capacity_tokens, "block_size": self.block_size,
+            "token_budget": self.token_budget, "device": self.device,
         }
 
 
@@ -128,17 +138,22 @@ def profile_path(name_or_path: str | Path) -> Path:
 
 def cost_model_from_profile(profile: dict, *, cascade: bool = False) -> CostModel:
     """Fit (measured) or read (analytic) the cost model of a validated profile."""
+    variant = "cascade" if cascade else "per_request"
+    if variant not in attention_variants(profile):
+        raise ValueError(f"profile {profile['name']!r} ({profile['backend']} backend) has no {variant} attention "
+                         f"measurements, only {', '.join(attention_variants(profile)) or 'none'}: "
+                         f"load it with cascade={not cascade}")
     shape = ModelShape.from_dict(profile["model"])
     if profile["kind"] == "analytic":
-        coefficients = profile["coefficients"]["cascade" if cascade else "per_request"]
+        coefficients = profile["coefficients"][variant]
         cache_bytes = profile["cache_bytes_effective"]
     else:
-        rows = measurement_rows(profile, cascade)
-        if not any(row["phase"] == "decode" for row in rows):
-            raise ValueError(f"profile {profile['name']!r} has no {'cascade' if cascade else 'per_request'} decode measurements")
-        coefficients, cache_bytes = fit_rows(rows, shape, profile["hardware"]["cache_bytes"], cascade)
-    return CostModel(profile["name"], shape, cascade, coefficients, cache_bytes,
-                     profile["kv_cache_bytes"], profile_block_size(profile), profile["kind"])
+        coefficients, cache_bytes = fit_rows(measurement_rows(profile, cascade), shape,
+                                             profile["hardware"]["cache_bytes"], cascade)
+    engine = profile_engine(profile)
+    return CostModel(profile["name"], shape, cascade, coefficients, cache_bytes, profile["kv_cache_bytes"],
+                     engine["block_size"], engine["max_num_batched_tokens"], profile["hardware"]["device"],
+                     profile["kind"])
 
 
 def load_cost_model(name_or_path: str | Path, *, cascade: bool = False) -> CostModel:

@@ -12,16 +12,24 @@ Schema ``feather-profile/1``::
     model           ModelShape fields (shapes.py)
     settings        free-form run settings (layers profiled, scaling, repeats, notes)
     kv_cache_bytes  bytes given to the KV cache (CostModel.kv_capacity_tokens derives from it)
-    block_size      (optional) the engine's KV block size in tokens; absent: ENGINE_BLOCK_SIZE of
-                    hardware.device (vLLM's defaults: 128 on the CPU platform, 16 on CUDA)
+    block_size      (optional) the engine's KV block size in tokens
+    max_num_batched_tokens  (optional) the engine's token budget per step
+                    (both absent: ENGINE_DEFAULTS of hardware.device, vLLM 0.32's defaults)
     measurements    (measured) list of rows, see below
     coefficients    (analytic) {"per_request": {column: value}, "cascade": {...}}, units of features.COLUMNS
     cache_bytes_effective  (analytic) cache bytes the locality term uses
 
-A measurement row has ``phase`` "decode" (``attention`` "per_request"|"cascade",
-``batch_size``, ``num_groups``, ``shared_prefix_tokens``, ``unique_tokens_per_request``,
-``total_kv_tokens``, ``unique_kv_tokens``) or "prefill" (``new_tokens``, ``cached_tokens``),
-plus repetition statistics ``median_s``, ``mean_s``, ``std_s``, ``min_s``, ``max_s``, ``repeats``.
+A measurement row is one engine step. Its ``phase`` says what the step holds:
+
+* "decode": a decode batch: ``attention`` "per_request"|"cascade", ``batch_size``,
+  ``num_groups``, ``shared_prefix_tokens``, ``unique_tokens_per_request``, ``total_kv_tokens``,
+  ``unique_kv_tokens``;
+* "prefill": ``prefill_requests`` (optional, default 1) requests each prefilling ``new_tokens``
+  after ``cached_tokens`` prefix-cache hits;
+* "mixed": a decode batch (the decode fields) and prefill chunks (the prefill fields) in one step.
+
+Every row carries repetition statistics ``median_s``, ``mean_s``, ``std_s``, ``min_s``, ``max_s``,
+``repeats``; other fields (e.g. ``wall_median_s``) are kept and not read.
 Every error names the file and the field path (``measurements[3].median_s``).
 """
 
@@ -35,13 +43,18 @@ from .features import COLUMNS
 from .shapes import ModelShape
 
 PROFILE_SCHEMA = "feather-profile/1"
-#: vLLM's default KV block size per device (tokens): a profile without ``block_size`` takes its device's.
-ENGINE_BLOCK_SIZE = {"cpu": 128, "cuda": 16}
+#: vLLM 0.32's engine defaults per device: KV block size (tokens) and token budget per step
+#: (``max_num_batched_tokens`` of the offline ``LLM`` class; on CUDA the API server's 8192).
+#: A profile without its own values takes its device's.
+ENGINE_DEFAULTS = {"cpu": {"block_size": 128, "max_num_batched_tokens": 4096},
+                   "cuda": {"block_size": 16, "max_num_batched_tokens": 8192}}
 ATTENTION_VARIANTS = ("per_request", "cascade")
+PHASES = ("decode", "prefill", "mixed")
 STAT_FIELDS = ("median_s", "mean_s", "std_s", "min_s", "max_s")
 _DECODE_FIELDS = ("batch_size", "num_groups", "shared_prefix_tokens", "unique_tokens_per_request",
                   "total_kv_tokens", "unique_kv_tokens")
-_PREFILL_FIELDS = ("new_tokens", "cached_tokens")
+#: The fields that say what a row's step holds (the rest are its timing statistics and notes).
+COMPOSITION_FIELDS = ("phase", "attention") + _DECODE_FIELDS + ("new_tokens", "cached_tokens", "prefill_requests")
 
 
 class ProfileError(ValueError):
@@ -104,8 +117,9 @@ def validate_profile(profile: dict, source: str = "<profile>") -> dict:
     check.get(profile, "software", dict, "")
     check.get(profile, "settings", dict, "")
     check.count(profile, "kv_cache_bytes", "", minimum=1)
-    if "block_size" in profile:
-        check.count(profile, "block_size", "", minimum=1)
+    for key in ENGINE_DEFAULTS["cpu"]:
+        if key in profile:
+            check.count(profile, key, "", minimum=1)
     try:
         ModelShape.from_dict(check.get(profile, "model", dict, ""))
     except (TypeError, ValueError) as exc:
@@ -123,17 +137,19 @@ def validate_profile(profile: dict, source: str = "<profile>") -> dict:
         check.fail("measurements", "a measured profile needs at least one measurement")
     for index, row in enumerate(rows):
         where = f"measurements[{index}]"
-        phase = check.choice(row, "phase", where, ("decode", "prefill"))
-        if phase == "decode":
+        phase = check.choice(row, "phase", where, PHASES)
+        if phase != "prefill":
             check.choice(row, "attention", where, ATTENTION_VARIANTS)
             values = {field: check.count(row, field, where) for field in _DECODE_FIELDS}
             if values["batch_size"] < 1 or not 1 <= values["num_groups"] <= values["batch_size"]:
                 check.fail(where, "needs batch_size >= 1 and 1 <= num_groups <= batch_size")
             if values["unique_kv_tokens"] > values["total_kv_tokens"]:
                 check.fail(where, "unique_kv_tokens exceeds total_kv_tokens")
-        else:
+        if phase != "decode":
             check.count(row, "new_tokens", where, minimum=1)
             check.count(row, "cached_tokens", where)
+            if "prefill_requests" in row:
+                check.count(row, "prefill_requests", where, minimum=1)
         for field in STAT_FIELDS:
             check.seconds(row, field, where)
         if row["median_s"] <= 0:
@@ -142,9 +158,10 @@ def validate_profile(profile: dict, source: str = "<profile>") -> dict:
     return profile
 
 
-def profile_block_size(profile: dict) -> int:
-    """The engine KV block size (tokens) of a validated profile: its ``block_size``, else its device's."""
-    return int(profile.get("block_size") or ENGINE_BLOCK_SIZE[profile["hardware"]["device"]])
+def profile_engine(profile: dict) -> dict[str, int]:
+    """``block_size`` and ``max_num_batched_tokens`` of a validated profile: its own, else its device's."""
+    defaults = ENGINE_DEFAULTS[profile["hardware"]["device"]]
+    return {key: int(profile.get(key) or default) for key, default in defaults.items()}
 
 
 def load_profile(path: str | Path) -> dict:

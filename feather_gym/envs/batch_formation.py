@@ -8,7 +8,7 @@ import gymnasium as gym
 import numpy as np
 
 import traces
-from feather_gym.costmodel import load_cost_model
+from feather_gym.costmodel import hardware_profile, load_cost_model
 from feather_gym.observation import ADD, FEATURE_NAMES, OBS_CLIP
 from feather_gym.orderings import CHTOrder, FCFSOrder
 from feather_gym.simulator import EngineConfig, Simulator, trace_digests
@@ -25,14 +25,16 @@ WINDOW_STARTS_PER_WINDOW = 4
 #: never shows the cost of starving a group (its late drain), so truncating early teaches starving.
 DEFAULT_CONFIG = {
     "workloads": ("prefix-groups",),
-    "profile": "cpu",
+    "profile": None,          # None: hardware_profile(), the shipped profile of this machine
     "seed": 0,
     "window_requests": 1000,
     "max_decisions": 25_000,
     "wait_bound_s": 10.0,
     "wait_penalty": 1.0,
-    "token_budget": EngineConfig.token_budget,
+    "token_budget": None,
     "max_num_seqs": EngineConfig.max_num_seqs,
+    "max_wait_s": EngineConfig.max_wait_s,
+    "kv_capacity_tokens": None,   # None: the profile's
 }
 
 
@@ -58,17 +60,17 @@ class BatchFormationEnv(gym.Env):
     ``Box(0, OBS_CLIP, (9,), float32)``: the raw features of :mod:`feather_gym.observation`,
     each divided by its scale and clipped to ``[0, 8]``:
 
-    | Num | Feature                   | Raw meaning (unit)                                   | Scale |
-    |-----|---------------------------|------------------------------------------------------|-------|
-    | 0   | batch_size                | running requests, admitted this step included        | 32    |
-    | 1   | chunk_loss                | shrink of the running common prefix if added (chunks)| 8     |
-    | 2   | same_prefix_waiting       | other waiting requests sharing its prefix            | 32    |
-    | 3   | running_common_prefix     | chunks common to every running request               | 32    |
-    | 4   | candidate_context_tokens  | candidate prompt length (tokens)                     | 8192  |
-    | 5   | candidate_cached_fraction | share of its chunks in the running set               | 1     |
-    | 6   | kv_utilisation            | fraction of KV blocks in use                         | 1     |
-    | 7   | num_waiting               | waiting requests                                     | 128   |
-    | 8   | oldest_wait_s             | wait of the earliest-arrived waiting request (s)     | 10    |
+    | Num | Feature                      | Raw meaning (unit)                                   | Scale |
+    |-----|------------------------------|------------------------------------------------------|-------|
+    | 0   | batch_size                   | running requests, admitted this step included        | 32    |
+    | 1   | chunk_loss_tokens            | shrink of the running common prefix if added (tokens)| 2048  |
+    | 2   | same_prefix_waiting          | other waiting requests sharing its prefix            | 32    |
+    | 3   | running_common_prefix_tokens | tokens common to every running request               | 8192  |
+    | 4   | candidate_context_tokens     | candidate prompt + generated tokens                  | 8192  |
+    | 5   | candidate_cached_fraction    | share of its full blocks in the running set          | 1     |
+    | 6   | kv_utilisation               | fraction of KV blocks in use                         | 1     |
+    | 7   | num_waiting                  | waiting requests                                     | 128   |
+    | 8   | oldest_wait_s                | wait of the earliest-arrived waiting request (s)     | 10    |
 
     ## Rewards
     Per step, in units of the window's total output tokens ``T``::
@@ -100,9 +102,11 @@ class BatchFormationEnv(gym.Env):
     ## Arguments
     ``gym.make("feather_gym/BatchFormation-v0", **config)`` or ``BatchFormationEnv(env_config)``
     (RLlib style); keys (defaults in ``DEFAULT_CONFIG``): ``workloads`` (workload specs for
-    ``traces.resolve_workload``), ``profile`` (cost model name or file), ``seed`` (workload
+    ``traces.resolve_workload``), ``profile`` (cost model name or file; None: ``hardware_profile()``), ``seed`` (workload
     generation, and the episode stream unless ``reset(seed=...)``), ``window_requests``,
-    ``max_decisions`` (0: no limit), ``wait_bound_s``, ``wait_penalty``, ``token_budget``, ``max_num_seqs``.
+    ``max_decisions`` (0: no limit), ``wait_bound_s``, ``wait_penalty``, ``token_budget`` (None: the
+    profile's), ``max_num_seqs``, ``max_wait_s`` (the admission's waiting-time bound, as deployed),
+    ``kv_capacity_tokens`` (None: the profile's).
     """
 
     metadata = {"render_modes": []}
@@ -120,8 +124,10 @@ class BatchFormationEnv(gym.Env):
         if config["max_decisions"] < 0:
             raise ValueError(f"max_decisions must be >= 0 (0: no limit), got {config['max_decisions']}")
         self.config = config
-        self.engine = EngineConfig(token_budget=config["token_budget"], max_num_seqs=config["max_num_seqs"])
-        self.cost_model = load_cost_model(config["profile"])
+        self.cost_model = load_cost_model(config["profile"] or hardware_profile())
+        self.engine = EngineConfig(token_budget=config["token_budget"], max_num_seqs=config["max_num_seqs"],
+                                   max_wait_s=config["max_wait_s"],
+                                   kv_capacity_tokens=config["kv_capacity_tokens"]).resolve(self.cost_model)
         self.workloads = [traces.resolve_workload(spec, seed=config["seed"]) for spec in workloads]
         self._digests = [trace_digests(trace, self.engine.block_size) for trace in self.workloads]
         self._windows: dict[tuple[int, int], tuple] = {}

@@ -1,0 +1,124 @@
+"""One observation across the simulator/engine boundary.
+
+The same state is put into the simulator and into the vLLM scheduler's waiting queue (real
+vLLM ``Request`` objects with the engine's sha256 block hashes, no engine), and both sides
+build the observation through :func:`feather_gym.observation.raw_features`; the vectors must
+be equal, also when the two sides run at different block sizes, and a trained policy must
+then take the same action on both.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+import deploy_policies as policies
+from cache_core.cht import ChunkedHashTree
+from deploy.admission import PolicyAdmission
+from deploy.policy_bench import vllm_request
+from deploy.waiting_queue import CHTWaitingQueue
+from feather_gym.costmodel import load_cost_model
+from feather_gym.observation import ADD, FEATURE_NAMES, STOP
+from feather_gym.orderings import CHTOrder
+from feather_gym.policies import OnnxFilePolicy
+from feather_gym.simulator import EngineConfig, Simulator
+from traces import Request, Trace
+
+
+class Recorder:
+    """A deployable policy that records the decision point it is shown and answers ADD."""
+
+    name = "recorder"
+
+    def __init__(self) -> None:
+        self.points = []
+
+    def decide(self, point) -> int:
+        self.points.append(point)
+        return ADD
+
+
+def tokens(seed: int, n: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(300, 30_000, size=n, dtype=np.int64)
+
+
+def workload() -> Trace:
+    """Three prefix groups of 1024 and 512 tokens (multiples of 256) and loners, arriving over 50 ms;
+    suffixes of whole 256-token blocks, so every side's block size sees the same token counts."""
+    prefixes = [tokens(1, 1024), tokens(2, 512), tokens(3, 1024)]
+    requests = []
+    for i in range(12):
+        group = i % 4
+        own = tokens(100 + i, 256 * (1 + i % 3))
+        prompt = own if group == 3 else np.concatenate([prefixes[group], own])
+        requests.append(Request(str(i), 0.005 * i, len(prompt), 6 + i, token_ids=prompt))
+    return Trace("parity", requests)
+
+
+def simulator_at_decision(block_size: int, decisions: int):
+    """``(simulator, point)``: the simulator paused at its ``decisions``-th admission point (ADD before it)."""
+    config = EngineConfig(block_size=block_size, token_budget=2048, kv_capacity_tokens=96 * 256)
+    sim = Simulator(workload(), load_cost_model("cpu"), CHTOrder(), config=config)
+    for _ in range(decisions - 1):
+        assert sim.next_admission() is not None
+        sim.apply(ADD)
+    point = sim.next_admission()
+    assert point is not None
+    return sim, point
+
+
+def scheduler_queue_like(sim: Simulator, block_size: int, base_time: float) -> CHTWaitingQueue:
+    """A vLLM waiting queue holding ``sim``'s running requests (admitted, in order) and its waiting
+    ones (in arrival order), as real vLLM requests hashed at ``block_size``."""
+    queue = CHTWaitingQueue(ChunkedHashTree(chunk_size=block_size))
+    trace = sim.trace
+
+    def vllm(idx: int):
+        r = trace.requests[idx]
+        return vllm_request(r.request_id, r.tokens(), block_size=block_size, arrival_time=base_time + r.arrival_s)
+
+    for idx in sim.running:
+        queue.add_request(vllm(idx))
+        queue.pop_request()
+    for idx in sorted(sim.cht.waiting_ids(), key=lambda i: trace.requests[i].arrival_s):
+        queue.add_request(vllm(idx))
+    return queue
+
+
+def deployed_point(sim: Simulator, block_size: int, policy):
+    """The decision the deployed admission makes in ``sim``'s state, with ``policy``."""
+    base = time.time() - 100.0
+    queue = scheduler_queue_like(sim, block_size, base)
+    recorder = Recorder()
+    admission = PolicyAdmission(recorder, num_running=lambda: len(sim.running), kv_usage=lambda: sim.kv_utilisation,
+                                max_num_seqs=256, max_wait_s=1e9, clock=lambda: base + sim.now_s)
+    admission.begin_step()
+    assert admission.next_admission(queue) is not None
+    (point,) = recorder.points
+    return point, policy.decide(point) if policy is not None else None
+
+
+@pytest.mark.parametrize("sim_block, engine_block", [(128, 128), (256, 16), (128, 16)])
+@pytest.mark.parametrize("decisions", [1, 3, 5])
+def test_simulator_and_vllm_queue_build_the_same_observation(sim_block, engine_block, decisions):
+    sim, sim_point = simulator_at_decision(sim_block, decisions)
+    engine_point, _ = deployed_point(sim, engine_block, None)
+    assert engine_point.candidate == sim_point.request.request_id      # the same CHT candidate
+    for name, a, b in zip(FEATURE_NAMES, sim_point.raw, engine_point.raw):
+        assert a == pytest.approx(b, rel=1e-6, abs=1e-9), name
+    assert sim_point.batch_size == engine_point.batch_size and sim_point.raw[0] > 0
+
+
+def test_a_policy_trained_at_one_block_size_serves_at_another(tmp_path):
+    """The simulator at 256-token blocks and vLLM's queue at 16: same observation, same action."""
+    policy = OnnxFilePolicy(str(policies.untrained_policy(tmp_path / "mlp.onnx")))
+    actions = []
+    for decisions in range(1, 7):
+        sim, sim_point = simulator_at_decision(256, decisions)
+        engine_point, engine_action = deployed_point(sim, 16, policy)
+        np.testing.assert_allclose(engine_point.observation, sim_point.observation, rtol=1e-6)
+        assert engine_action == policy.decide(sim_point)
+        actions.append(engine_action)
+    assert set(actions) <= {ADD, STOP} and len(actions) == 6
