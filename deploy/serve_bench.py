@@ -38,23 +38,17 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from feather_gym.vllm_engine import resolve_kv_cache_gib, start_engine
+from traces.workload import ENGINE_SIZED_WORKLOADS
 
 logger = logging.getLogger(__name__)
 
-#: Default workloads, sized so that the whole default bench (:data:`DEFAULT_ROUNDS`, KV cache
-#: :data:`DEFAULT_BENCH_KV_CACHE_GIB`) takes about 10 minutes on 2 CPU cores. prefix-sharing: 4
-#: groups share a 3-block prefix (block size 128 on CPU), all of it fits in the KV cache;
-#: no-sharing: unique prompts with Azure-conversation lengths capped at 512/48 tokens; prefix-heavy:
-#: 16 groups of 3-block prefixes, 48 blocks where the cache holds 45, so a scheduler that interleaves
-#: groups evicts shared prefixes and computes them again (the issue's "tens of groups of 1.5K-token
-#: prefixes with 1 GiB", scaled down 4x to fit the time).
-DEFAULT_WORKLOADS = {
-    "prefix-sharing": ("prefix-groups:num_requests=32,groups=4,prefix_tokens=384,suffix_tokens_min=16,"
-                       "suffix_tokens_max=96,output_tokens_min=16,output_tokens_max=48"),
-    "no-sharing": "no-sharing:num_requests=12,input_tokens_max=512,output_tokens_max=48",
-    "prefix-heavy": ("prefix-groups:num_requests=48,groups=16,prefix_tokens=384,suffix_tokens_min=16,"
-                     "suffix_tokens_max=64,output_tokens_min=8,output_tokens_max=32"),
-}
+#: Default workloads: :data:`traces.workload.ENGINE_SIZED_WORKLOADS`, the CPU engine's workloads
+#: (also the CPU training mix). prefix-sharing: 4 groups share a 3-block prefix (block size 128 on
+#: CPU), all of it fits in the KV cache; no-sharing: unique prompts with Azure-conversation lengths
+#: capped at 512/48 tokens; prefix-heavy: 16 groups of 4-block prefixes, 64 blocks where the
+#: cache holds 45, so a scheduler that interleaves groups evicts shared prefixes and computes them
+#: again (the issue's "tens of groups of 1.5K-token prefixes with 1 GiB", scaled down to fit the time).
+DEFAULT_WORKLOADS = ENGINE_SIZED_WORKLOADS
 #: KV-cache size of the bench (GiB) when neither ``kv_cache_gib`` nor ``$VLLM_CPU_KVCACHE_SPACE`` sets one:
 #: 45 blocks of 128 tokens for SmolLM2-135M in float32.
 DEFAULT_BENCH_KV_CACHE_GIB = 0.25

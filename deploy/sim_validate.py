@@ -23,11 +23,15 @@ import dataclasses
 import json
 import time
 
+from traces.workload import ENGINE_SIZED_WORKLOADS
+
 #: Figures compared, as keys of both sides' reports.
 FIGURES = ("steps", "output_tok_s", "step_ms_mean", "cached_prompt_tokens", "ttft_p50_s", "ttft_p99_s")
 #: Largest |sim / live - 1| accepted per figure.
 TARGETS = {"output_tok_s": 0.10, "steps": 0.10}
 DEFAULT_POLICIES = ("fcfs", "feather-rule")
+#: Default workloads: one prefix-heavy (under KV pressure in the bench's 0.25 GiB), one without sharing.
+DEFAULT_WORKLOADS = {name: ENGINE_SIZED_WORKLOADS[name] for name in ("prefix-heavy", "no-sharing")}
 
 
 def as_served(trace, *, online: bool, time_scale: float):
@@ -92,7 +96,7 @@ def validate(workloads: dict[str, str], *, policies=DEFAULT_POLICIES, profile: s
              max_wait_s: float | None = None, max_input_tokens: int | None = None,
              max_output_tokens: int | None = None, seed: int = 0) -> dict:
     """The whole report: one engine, and per workload the simulator and the engine on every policy."""
-    from deploy.serve_bench import clip_lengths, kv_capacity, run_schedulers
+    from deploy.serve_bench import DEFAULT_BENCH_KV_CACHE_GIB, clip_lengths, kv_capacity, run_schedulers
     from feather_gym.costmodel import hardware_profile, load_cost_model
     from feather_gym.policies import DEFAULT_MAX_WAIT_S
     from feather_gym.simulator import EngineConfig
@@ -110,7 +114,7 @@ def validate(workloads: dict[str, str], *, policies=DEFAULT_POLICIES, profile: s
     traces = {name: clip_lengths(resolve_workload(spec, seed=seed), max_input_tokens=max_input_tokens,
                                  max_output_tokens=max_output_tokens) for name, spec in workloads.items()}
     longest = max(r.input_len + r.output_len for t in traces.values() for r in t)
-    kv_cache_gib = resolve_kv_cache_gib(kv_cache_gib)
+    kv_cache_gib = resolve_kv_cache_gib(kv_cache_gib, default=DEFAULT_BENCH_KV_CACHE_GIB)
     llm = start_engine(max_model_len=max(2048, longest), seed=seed, kv_cache_gib=kv_cache_gib)
     capacity = kv_capacity(llm)
     scheduler_config = llm.llm_engine.vllm_config.scheduler_config
@@ -158,8 +162,6 @@ def _num(value) -> str:
 
 def register(commands) -> None:
     """Add ``sim validate`` to the ``feather`` command tree."""
-    from deploy.serve_bench import DEFAULT_WORKLOADS
-
     parser = commands.group("sim", help="simulate serving policies").add_parser(
         "validate", help="the simulator against the live vLLM engine, same workload and policies",
         description=__doc__.splitlines()[0])
@@ -171,7 +173,8 @@ def register(commands) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="live rounds per policy (default 3)")
     parser.add_argument("--online", action="store_true", help="submit requests at their trace times")
     parser.add_argument("--time-scale", type=float, default=1.0, help="online: scale the trace's arrival times")
-    parser.add_argument("--kv-cache-gib", type=float, default=None, help="KV cache (GiB; default 1 or $VLLM_CPU_KVCACHE_SPACE)")
+    parser.add_argument("--kv-cache-gib", type=float, default=None,
+                        help="KV cache (GiB; default $VLLM_CPU_KVCACHE_SPACE, else the bench's 0.25)")
     parser.add_argument("--max-wait-s", type=float, default=None, help="the admission's waiting-time bound (default 10)")
     parser.add_argument("--max-input-tokens", type=int, default=None)
     parser.add_argument("--max-output-tokens", type=int, default=None)
@@ -182,7 +185,6 @@ def register(commands) -> None:
 
 def _command(args) -> int:
     from deploy.cli import parse_workloads
-    from deploy.serve_bench import DEFAULT_WORKLOADS
 
     report = validate(parse_workloads(args.workload) or DEFAULT_WORKLOADS,
                       policies=[p for p in args.policies.split(",") if p], profile=args.profile,
