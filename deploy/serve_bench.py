@@ -396,7 +396,7 @@ def serve_bench(policy: str, *, workloads: dict[str, str] | None = None, dtype: 
                 max_output_tokens: int | None = None, online: bool = False, time_scale: float = 1.0,
                 kv_cache_gib: float | None = None, seed: int = 0) -> dict:
     """The whole ``feather serve bench`` report: one engine, one :func:`compare` per workload."""
-    from deploy.admission import DEFAULT_MAX_WAIT_S
+    from feather_gym.policies import DEFAULT_MAX_WAIT_S
     from deploy.scheduler import FeatherConfig, load_deployable_policy
     from traces import resolve_workload
 
