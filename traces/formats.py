@@ -4,6 +4,7 @@ The first non-blank line tells the format apart:
 
 * native: the header ``{"format": "feather-trace", "version": 1, ...}``; then one JSON request a line;
 * mooncake: a JSON object with ``hash_ids`` or ``input_length`` (a request; no header);
+* plain: a JSON object with ``token_ids`` (a request; no header): bring-your-own token traces;
 * azure: the CSV header ``TIMESTAMP,ContextTokens,GeneratedTokens``; then one request a row.
 
 **Native JSONL schema** (version 1; written by :func:`traces.io.write_trace`, round-trips):
@@ -17,6 +18,11 @@ The first non-blank line tells the format apart:
 
 **Mooncake** (FAST'25 traces): ``timestamp`` in ms becomes ``arrival_s = timestamp / 1000``;
 ``hash_ids`` are chained ids of 512-token blocks and stay block ids (no per-token work).
+
+**Plain token JSONL** (no header): one request a line, ``{"timestamp": float >= 0,
+"token_ids": [int, ...], "output_length": int >= 1}``, ``timestamp`` in **seconds** (any
+origin; arrivals are kept as given), optionally ``"id"``, ``"session"`` and ``"group"``. The
+prompt length is the number of token ids; the trace has no block size of its own.
 
 **Azure LLM inference trace** (2023): ``TIMESTAMP`` is a datetime; ``arrival_s`` is seconds
 since the first request. The trace has no prompt contents, so every request gets fresh,
@@ -203,6 +209,28 @@ class MooncakeFormat(LineFormat):
                 **self.block_prompt(record, "hash_ids", lineno, input_len, MOONCAKE_BLOCK_SIZE)}
 
 
+class PlainTokenFormat(LineFormat):
+    kind = "plain"
+    time_field = "timestamp"
+    has_header = False
+
+    @staticmethod
+    def sniff(first_line: str) -> bool:
+        return first_line.lstrip().startswith("{") and '"token_ids"' in first_line
+
+    def parse(self, line: str, lineno: int) -> dict[str, Any]:
+        record = self.json_object(line, lineno)
+        token_ids = self.ids(record, "token_ids", lineno)
+        if token_ids.size == 0:
+            raise self.error(lineno, "token_ids", "expected at least one token id")
+        fields = {"arrival_s": self.time(record, "timestamp", lineno), "input_len": int(token_ids.size),
+                  "output_len": self.length(record, "output_length", lineno), "token_ids": token_ids}
+        for label, key in (("request_id", "id"), ("session", "session"), ("group", "group")):
+            if record.get(key) is not None:
+                fields[label] = str(record[key])
+        return fields
+
+
 class AzureFormat(LineFormat):
     kind = "azure"
     time_field = "TIMESTAMP"
@@ -257,7 +285,7 @@ class AzureFormat(LineFormat):
                 "output_len": output_len, "block_ids": block_ids, "block_size": AZURE_BLOCK_SIZE}
 
 
-FORMATS: tuple[type[LineFormat], ...] = (NativeFormat, MooncakeFormat, AzureFormat)
+FORMATS: tuple[type[LineFormat], ...] = (NativeFormat, MooncakeFormat, PlainTokenFormat, AzureFormat)
 
 
 def json_object(path: str, line: str, lineno: int) -> dict:
@@ -279,4 +307,4 @@ def detect_format(path: str, first_line: str, lineno: int) -> LineFormat:
     if first_line.lstrip().startswith("{"):
         json_object(path, first_line, lineno)  # a malformed first line is named as such
     raise TraceFormatError(path, lineno, None, "unrecognised trace format: expected a feather-trace header, "
-                           "a Mooncake record with hash_ids, or the Azure CSV header " + ",".join(AZURE_COLUMNS))
+                           "a Mooncake record with hash_ids, a plain record with token_ids, or the Azure CSV header " + ",".join(AZURE_COLUMNS))

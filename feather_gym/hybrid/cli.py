@@ -1,0 +1,65 @@
+"""``feather hybrid build`` and ``feather hybrid check`` (provider of feather_gym/cli.py).
+
+* ``feather hybrid build [--model trained|tiny] [--force] [--json]``: train the hybrid model
+  when its folder is absent (or ``--force``), then print its training report (held-out
+  perplexity, steps, tokens, minutes) and its cache layout (KV bytes per token, state bytes).
+* ``feather hybrid check [--model ...] [--prompts N] [--max-new-tokens T] [--json]``: greedy
+  agreement of vLLM and transformers in bfloat16 on held-out prompts.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+
+def register(commands) -> None:
+    hybrid = commands.group("hybrid", help="the small trained hybrid (Gated DeltaNet + attention) model")
+    build = hybrid.add_parser("build", help="train the hybrid model if absent; print its report")
+    build.add_argument("--model", choices=("trained", "tiny"), default="trained")
+    build.add_argument("--force", action="store_true", help="train again even if the folder exists")
+    build.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    build.set_defaults(func=build_command)
+    check = hybrid.add_parser("check", help="greedy agreement of vLLM and transformers (bfloat16)")
+    check.add_argument("--model", choices=("trained", "tiny"), default="trained")
+    check.add_argument("--prompts", type=int, default=16, help="held-out prompts (default 16)")
+    check.add_argument("--max-new-tokens", type=int, default=16, help="greedy tokens per prompt (default 16)")
+    check.add_argument("--seed", type=int, default=0)
+    check.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    check.set_defaults(func=check_command)
+
+
+def build_command(args) -> int:
+    from cache_core.hybrid_layout import HybridCacheLayout
+    from feather_gym.hybrid.model import ensure_hybrid_hf, hybrid_dir, training_report
+
+    if args.force and hybrid_dir(args.model).exists():
+        shutil.rmtree(hybrid_dir(args.model))
+    path = ensure_hybrid_hf(args.model)
+    report = {"path": str(path), **training_report(path),
+              "layout": HybridCacheLayout.from_model_dir(path).as_dict()}
+    print(f"{report['model']} at {path}: {report['steps']} steps, {report['train_tokens']} tokens, "
+          f"{report['train_minutes']:.1f} min; held-out perplexity {report['heldout_perplexity']:.1f} "
+          f"on {report['heldout_tokens']} tokens of {report['corpus']}")
+    layout = report["layout"]
+    print(f"cache layout: {layout['attention_layers']} attention + {layout['linear_layers']} GDN layers, "
+          f"{layout['kv_bytes_per_token']} B of KV per token, {layout['state_bytes']} B per recurrent checkpoint")
+    if args.json:
+        print(json.dumps(report))
+    return 0
+
+
+def check_command(args) -> int:
+    from feather_gym.hybrid.agreement import compare_greedy
+    from feather_gym.hybrid.model import ensure_hybrid_hf
+
+    if args.prompts < 1 or args.max_new_tokens < 1:
+        raise ValueError("--prompts and --max-new-tokens must be >= 1")
+    report = compare_greedy(str(ensure_hybrid_hf(args.model)), num_prompts=args.prompts,
+                            max_new_tokens=args.max_new_tokens, seed=args.seed)
+    print(f"vLLM vs transformers (bf16, greedy {report['max_new_tokens']} tokens, {report['num_prompts']} prompts of "
+          f"{report['prompt_tokens_min']}-{report['prompt_tokens_max']} tokens): exact {report['exact_match_fraction']:.2f}, "
+          f"first token {report['first_token_agreement']:.2f}, common prefix {report['mean_common_prefix_fraction']:.2f}")
+    if args.json:
+        print(json.dumps(report))
+    return 0
