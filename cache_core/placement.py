@@ -166,26 +166,13 @@ def resume_positions(checkpoints: np.ndarray, depths: np.ndarray) -> np.ndarray:
     return starts[np.searchsorted(starts, depths, side="right") - 1]
 
 
-def resume_positions_by_row(table: np.ndarray, rows: np.ndarray, depths: np.ndarray) -> np.ndarray:
-    """``c(t)`` for request ``i`` served by placement ``table[rows[i]]`` at depth ``depths[i]``.
-
-    ``table`` has one sorted, non-negative placement per row starting with 0, as
-    :meth:`PlacementSolution.placements` returns. One ``searchsorted`` over the flattened
-    table, each row offset by a multiple of ``width`` (beyond every position and depth).
-    """
-    rows, depths = np.asarray(rows, dtype=np.int64), np.asarray(depths, dtype=np.int64)
-    width = max(int(table.max(initial=0)), int(depths.max(initial=0))) + 1
-    keys = (np.arange(table.shape[0])[:, None] * width + table).ravel()
-    return keys[np.searchsorted(keys, rows * width + depths, side="right") - 1] - rows * width
-
-
 class PlacementSolution:
     """Optimal costs and placements for every budget ``0..max_budget`` from one DP run.
 
     ``costs[k]`` is the optimal expected cost with at most ``k`` checkpoints (non-increasing
     in ``k``). ``checkpoints(k)`` backtracks the stored per-layer argmins in ``O(k)``;
-    ``checkpoints(k, horizon=L)`` and :meth:`placements` backtrack from a shallower position,
-    giving the optimal placement for the depths ``0..L`` alone.
+    ``checkpoints(k, horizon=L)`` backtracks from a shallower position, giving the optimal
+    placement for the depths ``0..L`` alone.
     """
 
     def __init__(self, costs: np.ndarray, argmins: list[np.ndarray], positions: np.ndarray) -> None:
@@ -198,49 +185,38 @@ class PlacementSolution:
         return self.costs.size - 1
 
     def checkpoints(self, budget: int, horizon: int | None = None) -> np.ndarray:
-        """Sorted optimal checkpoint positions for ``budget`` (``0 <= budget <= max_budget``) and
-        depths ``0..horizon`` (default: all depths, ``0..N``); see :meth:`placements`."""
-        row = self.placements(budget, [self._positions[-1] if horizon is None else horizon])[0]
-        return row[row > 0]
+        """Sorted optimal checkpoint positions for ``budget`` (``0 <= budget <= max_budget``),
+        all ``<= horizon``, minimising the expected cost over the depths ``0..horizon`` alone.
 
-    def placements(self, budget: int, horizons) -> np.ndarray:
-        """Optimal placements for several horizons at once, one row per horizon.
-
-        Row ``i`` minimises the expected cost over the depths ``0..horizons[i]`` alone (the
-        distribution truncated there, unnormalised), with at most ``budget`` checkpoints, all
-        ``<= horizons[i]``: it is the backtrack of ``F_budget(e)`` from the deepest candidate
-        position ``e <= horizons[i]`` (every ``F_k(e)`` is optimal for its prefix, so no
-        re-solve is needed; a horizon beyond ``N`` acts as ``N``). This is the reference's
-        per-request-length backtrack (``HistogramTracker.get_positions``). The result has
-        shape ``(len(horizons), budget + 1)``: each row is sorted, starts with 0 (the implicit
-        start) and is padded with further 0s, so a lookup "deepest entry ``<= t``" needs no
-        special case (:func:`resume_positions_by_row`).
+        ``horizon=None`` means ``N`` (every depth). Otherwise this backtracks ``F_budget(e)``
+        from the deepest candidate position ``e <= horizon``: every ``F_k(e)`` is optimal for
+        the distribution truncated to ``0..e`` (unnormalised; normalising does not move the
+        argmin), and ``p`` is 0 between ``e`` and ``horizon``, so no re-solve is needed. A
+        horizon beyond ``N`` acts as ``N``. This is the reference's per-request-length
+        placement (``HistogramTracker.get_positions(seq_len)``, "adaptive backtrack").
 
         Limitation: :func:`solve` stops adding layers once ``F_k(N)`` reaches 0 or stops
         falling. In exact arithmetic ``F_k(N)`` falls while it is positive, and ``F_k(N) = 0``
-        implies ``F_k(e) = 0`` for every ``e``, so the stop loses nothing; but a stop caused
-        by float rounding at ``N`` (a gain below the rounding of ``F(N)``) also ends the
-        layers for shallower horizons, whose placements for larger budgets then use only
-        the solved layers. :func:`solve_oracle` never stops early.
+        implies ``F_k(e) = 0`` for every ``e``, so the stop loses nothing; but a stop caused by
+        float rounding at ``N`` (a gain below the rounding of ``F(N)``) also ends the layers
+        for shallower horizons, whose placements for larger budgets then use only the solved
+        layers. :func:`solve_oracle` never stops early.
         """
         if not 0 <= budget <= self.max_budget or int(budget) != budget:
             raise ValueError(f"budget must be an integer in 0..{self.max_budget}, got {budget!r}")
-        budget = int(budget)
-        horizons = np.asarray(horizons, dtype=np.int64).reshape(-1)
-        if np.any(horizons < 0):
-            raise ValueError(f"horizons must be >= 0, got min {horizons.min()}")
-        e = np.searchsorted(self._positions, horizons, side="right") - 1   # position 0 is always a candidate
-        table = np.zeros((e.size, budget + 1), dtype=np.int64)
-        active = np.ones(e.size, dtype=bool)     # False once a layer chose s = 0: nothing left to place
-        for layer in range(min(budget, len(self._argmins)), 0, -1):
-            s = self._argmins[layer - 1][e]
-            take = active & (s > 0) & (s <= e)
-            table[take, layer] = self._positions[s[take]]
-            active &= s > 0
-            if not active.any():
+        if horizon is not None and horizon < 0:
+            raise ValueError(f"horizon must be >= 0, got {horizon}")
+        last = self._positions.size - 1
+        e = last if horizon is None else int(np.searchsorted(self._positions, horizon, side="right")) - 1
+        chosen = []
+        for layer in range(min(int(budget), len(self._argmins)), 0, -1):
+            s = int(self._argmins[layer - 1][e])
+            if s == 0:
                 break
-            e = np.where(take, s - 1, e)
-        return np.sort(table, axis=1)
+            if s <= e:
+                chosen.append(int(self._positions[s]))
+                e = s - 1
+        return np.array(sorted(chosen), dtype=np.int64)
 
 
 def _check_budget(budget: int) -> int:

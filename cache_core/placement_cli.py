@@ -1,12 +1,16 @@
 """``feather placement eval`` and ``feather bench placement`` (provider of feather_gym/cli.py).
 
 * ``feather placement eval --workload SPEC [--budgets 1,2,4,...] [--block-size B]
-  [--cache-blocks C] [--decay D] [--resolve-every K] [--seed S] [--json] [--plot FILE]``:
-  overlap depths of the workload (:func:`traces.stats.overlap_depths`, infinite cache or
-  LRU of ``C`` blocks), then the expected recomputed tokens per request of the exact DP (in
-  hindsight and learnt online) and of each heuristic at each budget
-  (:func:`cache_core.placement_eval.evaluate_placements`); ``--plot`` draws the
-  recompute-vs-states frontier as a PNG.
+  [--cache-blocks C] [--decay D] [--resolve-every K] [--seed S] [--model hybrid|DIR]
+  [--prefill-profile FILE] [--json] [--plot FILE]``: overlap depths of the workload
+  (:func:`traces.stats.overlap_depths`, infinite cache or LRU of ``C`` blocks), then the
+  expected recomputed tokens per request of the exact DP (in hindsight and learnt online)
+  and of each heuristic at each budget (:func:`cache_core.placement_eval.evaluate_placements`).
+  ``--model`` (the trained hybrid, or a model folder) adds the hybrid cache layout: state and
+  KV bytes per method, the ``no_cache``/``kv_only`` baselines and the per-length DP;
+  ``--prefill-profile`` (written by ``feather profile prefill``) adds the estimated time to
+  first token and the time-optimal DP. ``--plot`` draws the recompute-vs-states frontier as a
+  PNG (against state bytes when a layout is given).
 * ``feather bench placement [--positions N] [--budget M] [--repeats R] [--oracle-budget K]
   [--json]``: the exact solver against the ``O(M N^2)`` oracle in the same run.
 """
@@ -38,6 +42,11 @@ def register(commands) -> None:
     evaluate.add_argument("--resolve-every", type=int, default=64,
                           help="online estimator: re-solve after this many requests (default 64)")
     evaluate.add_argument("--seed", type=int, default=0, help="generator seed (default 0)")
+    evaluate.add_argument("--model", metavar="hybrid|DIR", default=None,
+                          help="hybrid model whose config gives the cache layout (state and KV bytes): "
+                               "'hybrid' for the trained one, or a model folder")
+    evaluate.add_argument("--prefill-profile", metavar="FILE", default=None,
+                          help="prefill-time JSON of `feather profile prefill`: adds estimated TTFT and dp_time")
     evaluate.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     evaluate.add_argument("--plot", metavar="FILE", help="write the Pareto plot as a PNG")
     evaluate.set_defaults(func=eval_command)
@@ -66,6 +75,8 @@ def parse_budgets(text: str) -> list[int]:
 
 
 def eval_command(args) -> int:
+    import numpy as np
+
     from cache_core.placement_eval import evaluate_placements
     from traces.stats import overlap_depths
     from traces.workload import resolve_workload
@@ -76,9 +87,14 @@ def eval_command(args) -> int:
     trace = resolve_workload(args.workload, seed=args.seed)
     block_size = args.block_size or trace.block_size or DEFAULT_BLOCK_SIZE
     depths = overlap_depths(trace, block_size=block_size, cache_blocks=args.cache_blocks)
-    report = {"workload": args.workload, "cache_blocks": args.cache_blocks,
+    layout = None if args.model is None else load_layout(args.model)
+    prefill = None if args.prefill_profile is None else load_prefill(args.prefill_profile)
+    hybrid = layout is not None or prefill is not None
+    prompt_tokens = np.array([r.input_len for r in trace]) if hybrid else None
+    report = {"workload": args.workload, "cache_blocks": args.cache_blocks, "model": args.model,
               **evaluate_placements(depths, block_size=block_size, budgets=budgets, decay=args.decay,
-                                   resolve_every=args.resolve_every)}
+                                   resolve_every=args.resolve_every, prompt_tokens=prompt_tokens,
+                                   layout=layout, prefill=prefill)}
     if args.plot:
         plot_frontier(report, args.plot)
     print(format_report(report))
@@ -87,43 +103,99 @@ def eval_command(args) -> int:
     return 0
 
 
+def load_layout(model: str):
+    """The :class:`~cache_core.hybrid_layout.HybridCacheLayout` of ``--model``: ``hybrid`` (the
+    trained hybrid's folder, not built here) or a model folder holding a ``config.json``."""
+    from pathlib import Path
+
+    from cache_core.hybrid_layout import HybridCacheLayout
+    from feather_gym.hybrid.model import hybrid_dir
+
+    folder = hybrid_dir("trained") if model == "hybrid" else Path(model)
+    if not (folder / "config.json").is_file():
+        hint = "; build it with `feather hybrid build` or pass --model DIR" if model == "hybrid" else ""
+        raise ValueError(f"--model {model}: no model config at {folder / 'config.json'}{hint}")
+    return HybridCacheLayout.from_model_dir(folder)
+
+
+def load_prefill(path: str):
+    """The :class:`~cache_core.recompute_cost.PrefillTime` in a ``feather profile prefill`` JSON file."""
+    from cache_core.recompute_cost import PrefillTime
+
+    with open(path) as f:
+        data = json.load(f)
+    try:
+        return PrefillTime.from_dict(data)
+    except KeyError as exc:
+        raise ValueError(f"--prefill-profile {path}: missing key {exc}; write it with `feather profile prefill`") from None
+
+
 def format_report(report: dict) -> str:
-    """The frontier as a text table: recomputed tokens per request, states used in brackets when under budget."""
+    """The frontier as text tables, one row per budget and one column per method: recomputed
+    tokens per request (states used in brackets when under budget), then, when present, the
+    recurrent-state MiB per shared prefix and the estimated time to first token."""
     methods = report["methods"]
     lines = [
         f"workload {report['workload']}: {report['num_requests']} requests, "
         f"block {report['block_size_tokens']} tokens, "
         f"horizon {report['horizon_blocks']} blocks, hit fraction {report['hit_fraction']:.3f}, "
         f"mean overlap {report['mean_overlap_tokens']:.0f} tokens (= recompute with no stored state)",
-        "expected recomputed tokens per request [states stored, when fewer than the budget]",
     ]
-    header = ["budget", *methods, "dp_gain_%"]
-    rows = []
-    for i, budget in enumerate(report["budgets"]):
-        cells = [str(budget)]
-        for method in methods.values():
-            value, states = method["expected_recompute_tokens"][i], method["states_stored"][i]
-            cells.append(f"{value:.1f}" + (f" [{states}]" if states < budget else ""))
-        rows.append([*cells, f"{report['dp_gain_vs_best_heuristic_pct'][i]:.1f}"])
-    widths = [max(len(r[c]) for r in [header, *rows]) for c in range(len(header))]
-    lines += ["  ".join(cell.rjust(w) for cell, w in zip(r, widths)) for r in [header, *rows]]
+    gains = report["dp_gain_vs_best_heuristic_pct"]
+    lines += _table(report, "expected recomputed tokens per request [states stored, when fewer than the budget]",
+                    lambda m, i, budget: f"{m['expected_recompute_tokens'][i]:.1f}"
+                    + (f" [{m['states_stored'][i]}]" if m["states_stored"][i] < budget else ""),
+                    ("dp_gain_%", lambda i: f"{gains[i]:.1f}"))
+    if "layout" in report:
+        layout = report["layout"]
+        kv = report["methods"]["kv_only"]["kv_bytes"][0]
+        lines.append(f"layout {report['model']}: {layout['attention_layers']} attention + {layout['linear_layers']} "
+                     f"GDN layers, {layout['kv_bytes_per_token']} B KV per token, {layout['state_bytes']} B per "
+                     f"checkpoint; KV of the mean overlap {kv / 2**20:.2f} MiB per request (every method but no_cache)")
+        lines += _table(report, "recurrent state MiB per shared prefix (states stored x state bytes)",
+                        lambda m, i, budget: f"{m['state_bytes'][i] / 2**20:.2f}")
+    if "prefill" in report:
+        p = report["prefill"]
+        lines.append(f"prefill {p['fixed_ms']:.2f} ms + {p['ms_per_token'] * 1e3:.3f} us/token "
+                     f"+ {p['ms_per_token_squared'] * 1e6:.4f} ns/token^2 (cumulative), mean prompt "
+                     f"{report['mean_prompt_tokens']:.0f} tokens")
+        lines += _table(report, "estimated time to first token, ms (mean over requests)",
+                        lambda m, i, budget: f"{m['ttft_est_ms'][i]:.1f}")
     return "\n".join(lines)
 
 
+def _table(report: dict, title: str, cell, extra=None) -> list[str]:
+    """``title`` then a right-aligned table: ``cell(method_row, i, budget)`` per budget and
+    method, plus an optional ``(header, cell(i))`` last column."""
+    header = ["budget", *report["methods"], *([extra[0]] if extra else [])]
+    rows = [[str(budget), *(cell(m, i, budget) for m in report["methods"].values()),
+             *([extra[1](i)] if extra else [])] for i, budget in enumerate(report["budgets"])]
+    widths = [max(len(r[c]) for r in [header, *rows]) for c in range(len(header))]
+    return [title, *("  ".join(cell.rjust(w) for cell, w in zip(r, widths)) for r in [header, *rows])]
+
+
 def plot_frontier(report: dict, path: str) -> None:
-    """Expected recompute vs states stored, one line per method (PNG, Agg backend)."""
+    """Expected recompute vs states stored (state bytes when the report has a layout), one line
+    per method; methods that store no state (``kv_only``, ``no_cache``) as one dashed level (PNG, Agg)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    x_key = "state_bytes" if "layout" in report else "states_stored"
     fig, ax = plt.subplots(figsize=(7, 4.5))
+    stateless = []
     for name, method in report["methods"].items():
-        points = sorted({(s, r) for s, r in zip(method["states_stored"], method["expected_recompute_tokens"]) if s > 0})
+        points = sorted({(s, r) for s, r in zip(method[x_key], method["expected_recompute_tokens"]) if s > 0})
         if points:
             ax.plot(*zip(*points), marker="o" if name == "dp" else ".", linewidth=2 if name == "dp" else 1, label=name)
+        else:
+            stateless.append(name)
+    if stateless:
+        ax.axhline(report["mean_overlap_tokens"], color="gray", linestyle="--",
+                   label=f"no state ({', '.join(stateless)})")
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("states stored per prefix")
+    ax.set_xlabel("recurrent state bytes per shared prefix" if x_key == "state_bytes" else "states stored per prefix")
     ax.set_ylabel("expected recomputed tokens per request")
     ax.set_title(f"{report['workload']} (block {report['block_size_tokens']} tokens)")
     ax.grid(True, alpha=0.3)

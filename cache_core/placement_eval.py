@@ -10,14 +10,17 @@ import time
 
 import numpy as np
 
+from cache_core.hybrid_layout import HybridCacheLayout
 from cache_core.overlap_estimator import OnlineOverlapEstimator
-from cache_core.placement import PlacementProblem, resume_positions, solve, solve_oracle
+from cache_core.placement import PlacementProblem, PlacementSolution, resume_positions, solve, solve_oracle
 from cache_core.placement_heuristics import PlacementHeuristic, default_heuristics
+from cache_core.recompute_cost import PrefillTime
 
 
 def replay_online(depths: np.ndarray, budgets: list[int], *, num_positions: int, decay: float,
-                  resolve_every: int) -> tuple[list[float], list[int]]:
-    """Mean recompute (blocks) and final states per budget when placements are learnt online.
+                  resolve_every: int) -> tuple[np.ndarray, list[int]]:
+    """Per budget and request, the position (blocks) it resumes from when placements are learnt
+    online, shape ``(len(budgets), len(depths))``, and the final states per budget.
 
     Requests arrive in trace order; each is served by the placement of the last re-solve
     before it (none before the first), then its depth enters the estimator. This is what a
@@ -25,54 +28,129 @@ def replay_online(depths: np.ndarray, budgets: list[int], *, num_positions: int,
     """
     estimator = OnlineOverlapEstimator(num_positions, max(budgets), decay=decay, resolve_every=resolve_every)
     depths = np.minimum(depths, num_positions)
-    total = np.zeros(len(budgets))
+    resume = np.zeros((len(budgets), depths.size), dtype=np.int64)
     for start in range(0, depths.size, resolve_every):
         chunk = depths[start : start + resolve_every]
         for i, budget in enumerate(budgets):
-            total[i] += np.sum(chunk - resume_positions(estimator.placement(budget), chunk))
+            resume[i, start : start + chunk.size] = resume_positions(estimator.placement(budget), chunk)
         estimator.observe_many(chunk)
-    return (total / depths.size).tolist(), [int(estimator.placement(m).size) for m in budgets]
+    return resume, [int(estimator.placement(m).size) for m in budgets]
+
+
+def resume_per_length(solution: PlacementSolution, depths: np.ndarray, horizons: np.ndarray,
+                      budgets: list[int]) -> tuple[np.ndarray, list[int]]:
+    """Resume positions when request ``i`` uses ``solution.checkpoints(m, horizons[i])``, shape
+    ``(len(budgets), len(depths))``, and per budget the most states one request's placement holds.
+
+    One backtrack per distinct horizon and budget (``O(m)`` each); requests are grouped by horizon.
+    """
+    unique, inverse = np.unique(horizons, return_inverse=True)
+    order = np.argsort(inverse, kind="stable")
+    groups = np.split(order, np.cumsum(np.bincount(inverse, minlength=unique.size))[:-1])
+    resume = np.zeros((len(budgets), depths.size), dtype=np.int64)
+    states = []
+    for i, budget in enumerate(budgets):
+        placements = [solution.checkpoints(budget, int(h)) for h in unique]
+        for placement, members in zip(placements, groups):
+            resume[i, members] = resume_positions(placement, depths[members])
+        states.append(max(c.size for c in placements))
+    return resume, states
 
 
 def evaluate_placements(depths, *, block_size: int, budgets: list[int],
                         heuristics: tuple[PlacementHeuristic, ...] | None = None,
-                        decay: float = 0.999, resolve_every: int = 64) -> dict:
+                        decay: float = 0.999, resolve_every: int = 64, prompt_tokens=None,
+                        layout: HybridCacheLayout | None = None, prefill: PrefillTime | None = None) -> dict:
     """Expected recomputed tokens per request for the exact DP and each heuristic at each budget.
 
     ``depths`` are overlap depths in blocks of ``block_size`` tokens, in arrival order; the
     horizon ``N`` is the deepest one. Per method the report lists ``states_stored``
-    (checkpoints actually used, at most the budget) next to ``expected_recompute_tokens``:
-    the points of the Pareto plot. ``dp`` is solved on the whole trace's distribution (the
+    (checkpoints actually used, at most the budget) next to ``expected_recompute_tokens``
+    (mean over requests of ``(t - c(t)) * block_size``, the matched prefix recomputed): the
+    points of the Pareto plot. ``dp`` is solved on the whole trace's distribution (the
     hindsight optimum); ``dp_online`` replays the trace through the online estimator
     (``decay``, ``resolve_every``; see :func:`replay_online`; its states are those of the
     final placement). ``dp_gain_vs_best_heuristic_pct[i]`` is how much less ``dp``
     recomputes than the best heuristic at ``budgets[i]`` (0 when both recompute nothing).
+
+    Hybrid models. ``prompt_tokens`` (per request, tokens; ``depths[i] * block_size`` must not
+    exceed it), ``layout`` and ``prefill`` are optional; with any of them the report adds:
+
+    * methods ``no_cache`` (nothing kept: resume from 0) and ``kv_only`` (attention KV kept,
+      no recurrent state: the linear layers need a state, so a hybrid still resumes from 0),
+      the reference's baselines; both recompute the budget-0 amount at every budget;
+    * with ``prompt_tokens``: ``dp_per_length``, where request ``i`` is served by the same DP
+      backtracked from its own length, ``checkpoints(m, horizon=prompt_tokens[i] //
+      block_size)`` (the reference's per-length re-derivation). Each request is evaluated
+      with its own horizon's placement, as if it found that placement stored; its
+      ``states_stored`` is the most one request's placement holds;
+    * with ``layout`` (:class:`HybridCacheLayout`), per method and budget: ``state_bytes``
+      = ``states_stored * layout.state_bytes``, the recurrent states kept along one shared
+      prefix (per prefix path of the prefix tree: each distinct shared prefix keeps its own
+      placement); ``kv_bytes`` = attention KV of the mean cached overlap,
+      ``mean(depths) * block_size * layout.kv_bytes_per_token`` (0 for ``no_cache``; the
+      same for every placement, since the whole match keeps its KV);
+    * with ``prefill`` (:class:`PrefillTime`, needs ``prompt_tokens``): ``ttft_est_ms``, the
+      mean over requests of ``prefill.ms(resume, prompt_tokens[i])`` with ``resume =
+      c(t) * block_size`` capped at ``prompt_tokens[i] - 1`` (an engine computes at least
+      the last prompt token to sample the first output token); and method ``dp_time``, the
+      DP solved with ``block_costs = prefill.block_costs(block_size, N)``: it minimises the
+      expected recompute time (ms) rather than tokens.
     """
     if not budgets or min(budgets) < 0:
         raise ValueError(f"budgets must be a non-empty list of non-negative integers, got {budgets}")
     heuristics = default_heuristics() if heuristics is None else heuristics
     depths = np.asarray(depths, dtype=np.int64)
+    if prompt_tokens is not None:
+        prompt_tokens = np.asarray(prompt_tokens, dtype=np.int64)
+        if prompt_tokens.shape != depths.shape or np.any(depths * block_size > prompt_tokens):
+            raise ValueError("prompt_tokens needs one length per request, each >= its depth * block_size")
+    if prefill is not None and prompt_tokens is None:
+        raise ValueError("prefill needs prompt_tokens (the time to first token depends on the prompt length)")
     problem = PlacementProblem.from_depths(depths)
     n = problem.num_positions
     start = time.perf_counter()
     solution = solve(problem, max(budgets))
     solve_ms = (time.perf_counter() - start) * 1e3
+    kv_bytes = 0 if layout is None else float(depths.mean() * block_size * layout.kv_bytes_per_token)
 
-    def row(placements: list[np.ndarray]) -> dict:
-        return {"states_stored": [int(c.size) for c in placements],
-                "expected_recompute_tokens": [problem.cost(c) * block_size for c in placements]}
+    def row(states: list[int], resume: np.ndarray, *, holds_kv: bool = True) -> dict:
+        """The report row of a method: ``resume[i, r]`` is where request ``r`` resumes (blocks) at ``budgets[i]``."""
+        out = {"states_stored": [int(s) for s in states],
+               "expected_recompute_tokens": ((depths - resume).mean(axis=1) * block_size).tolist()}
+        if layout is not None:
+            out["state_bytes"] = [int(s) * layout.state_bytes for s in states]
+            out["kv_bytes"] = [kv_bytes if holds_kv else 0.0] * len(budgets)
+        if prefill is not None:
+            resume_tokens = np.minimum(resume * block_size, prompt_tokens - 1)
+            out["ttft_est_ms"] = prefill.ms(resume_tokens, prompt_tokens).mean(axis=1).tolist()
+        return out
 
-    methods = {"dp": row([solution.checkpoints(m) for m in budgets])}
-    online_blocks, online_states = replay_online(depths, budgets, num_positions=n, decay=decay,
+    def static_row(placements: list[np.ndarray]) -> dict:
+        return row([c.size for c in placements], np.stack([resume_positions(c, depths) for c in placements]))
+
+    methods = {"dp": static_row([solution.checkpoints(m) for m in budgets])}
+    online_resume, online_states = replay_online(depths, budgets, num_positions=n, decay=decay,
                                                  resolve_every=resolve_every)
-    methods["dp_online"] = {"states_stored": online_states,
-                            "expected_recompute_tokens": [b * block_size for b in online_blocks]}
+    methods["dp_online"] = row(online_states, online_resume)
+    hybrid = prompt_tokens is not None or layout is not None or prefill is not None
+    if prompt_tokens is not None:
+        resume, states = resume_per_length(solution, depths, prompt_tokens // block_size, budgets)
+        methods["dp_per_length"] = row(states, resume)
+    if prefill is not None:
+        timed = solve(PlacementProblem.from_depths(depths, block_costs=prefill.block_costs(block_size, n)),
+                      max(budgets))
+        methods["dp_time"] = static_row([timed.checkpoints(m) for m in budgets])
     for heuristic in heuristics:
-        methods[heuristic.name] = row([heuristic.place(n, m) for m in budgets])
+        methods[heuristic.name] = static_row([heuristic.place(n, m) for m in budgets])
+    if hybrid:
+        start_only = np.zeros((len(budgets), depths.size), dtype=np.int64)
+        methods["kv_only"] = row([0] * len(budgets), start_only)
+        methods["no_cache"] = row([0] * len(budgets), start_only, holds_kv=False)
     dp = np.array(methods["dp"]["expected_recompute_tokens"])
     best = np.min([methods[h.name]["expected_recompute_tokens"] for h in heuristics], axis=0)
     gain = np.divide(100 * (best - dp), best, out=np.zeros_like(best), where=best > 0)
-    return {
+    report = {
         "num_requests": int(depths.size),
         "block_size_tokens": block_size,
         "horizon_blocks": n,
@@ -85,6 +163,13 @@ def evaluate_placements(depths, *, block_size: int, budgets: list[int],
         "online_resolve_every": resolve_every,
         "dp_solve_ms": solve_ms,
     }
+    if prompt_tokens is not None:
+        report["mean_prompt_tokens"] = float(prompt_tokens.mean())
+    if layout is not None:
+        report["layout"] = layout.as_dict()
+    if prefill is not None:
+        report["prefill"] = prefill.to_dict()
+    return report
 
 
 def benchmark_solver(*, num_positions: int = 4096, budget: int = 256, repeats: int = 5,

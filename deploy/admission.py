@@ -137,6 +137,9 @@ class PolicyAdmission(Admission):
     def context_tokens(self, request_id) -> int:
         return self._queue.waiting_request(request_id).num_tokens
 
+    def resumable_blocks(self, request_id, shared_blocks: int) -> int:
+        return shared_blocks        # a dense model's view (see the notes of deploy.hybrid_placement)
+
     # --- decisions ----------------------------------------------------------------------------
     def next_admission(self, queue):
         self._queue = queue

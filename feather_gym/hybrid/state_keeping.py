@@ -1,0 +1,121 @@
+"""The simulator's hybrid mode: which recurrent states the engine keeps, and where a hit resumes.
+
+A hybrid model (attention plus Gated DeltaNet layers) resumes a cached prefix only from a
+kept recurrent state: a lookup matching ``A`` blocks of attention KV resumes at the deepest
+kept state ``M <= A`` and recomputes blocks ``M..A`` (vLLM 0.32's align mode; see
+:mod:`deploy.hybrid_placement`). Which states are kept (:class:`HybridSimConfig.placement`):
+
+==========  =================================================================================
+placement   states kept as a prefill passes block boundary ``k``
+==========  =================================================================================
+``vllm``    vLLM 0.32's own rule: the prompt's last full block ``(P - 1) // B``, and the
+            "junction" ``A`` of a lookup whose attention hit ``A`` was deeper than its state hit
+``dp``      ``k`` in the exact DP's placement for the overlap depths observed so far
+            (:class:`~cache_core.overlap_estimator.OnlineOverlapEstimator`, as the plug-in)
+``grid``    every ``grid_blocks``-th boundary (a fixed grid, e.g. one state per 1,024 tokens)
+==========  =================================================================================
+
+Bytes: a kept state occupies ``state_blocks`` KV blocks (vLLM pads a GDN state page to the
+attention page; one per GDN group). The simulator reserves ``max_states x state_blocks``
+blocks of its KV capacity for states, and :class:`~cache_core.state_registry.StateRegistry`
+(shared with the plug-in) evicts beyond ``max_states``.
+
+Divergences from the live engine: the reserve is a fixed partition (vLLM's states and KV share
+one LRU pool, the plug-in caps the states); states are kept at prompt boundaries only (vLLM
+can also keep decode-phase boundaries, which only a later turn of the same conversation hits).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from cache_core.overlap_estimator import OnlineOverlapEstimator
+from cache_core.state_registry import StateRegistry
+
+PLACEMENTS = ("vllm", "dp", "grid")
+
+
+@dataclass(frozen=True)
+class HybridSimConfig:
+    """The hybrid mode of the simulator (see the module docstring)."""
+
+    placement: str = "vllm"
+    max_states: int = 32
+    state_blocks: int = 3
+    grid_blocks: int = 1
+    checkpoints: int = 8
+    horizon_blocks: int = 64
+    decay: float = 0.999
+    resolve_every: int = 16
+
+    def __post_init__(self) -> None:
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
+        if min(self.max_states, self.state_blocks, self.grid_blocks, self.checkpoints, self.horizon_blocks) < 1:
+            raise ValueError(f"{self}: max_states, state_blocks, grid_blocks, checkpoints, horizon_blocks must be >= 1")
+
+    @staticmethod
+    def state_blocks_for(layout) -> int:
+        """KV blocks one state occupies for a :class:`~cache_core.hybrid_layout.HybridCacheLayout`:
+        vLLM groups layers so every group has as many layers, hence GDN groups per attention group."""
+        return math.ceil(layout.linear_layers / layout.attention_layers)
+
+
+class StateKeeper:
+    """Kept states and the lookup rule of one simulated hybrid engine."""
+
+    def __init__(self, config: HybridSimConfig, block_size: int) -> None:
+        self.config, self.block_size = config, block_size
+        self.registry = StateRegistry(config.max_states)
+        self.estimator = OnlineOverlapEstimator(config.horizon_blocks, config.checkpoints, decay=config.decay,
+                                                resolve_every=config.resolve_every)
+        self._junction: dict[int, int] = {}
+        self._observed: set[int] = set()
+        self.evicted = 0
+
+    def resumable(self, chain: list[int], shared_blocks: int) -> int:
+        """Blocks of a ``shared_blocks``-block match that a hit can resume (deepest kept state)."""
+        return self.registry.deepest(chain, shared_blocks)
+
+    def lookup(self, request: int, chain: list[int], kv_hit_blocks: int) -> int:
+        """The hit of ``request`` whose attention KV matches ``kv_hit_blocks`` blocks: the deepest
+        kept state at or below it. Records the depth (once per request) and vLLM's junction."""
+        if request not in self._observed:
+            self._observed.add(request)
+            self.estimator.observe(min(kv_hit_blocks, self.config.horizon_blocks))
+        resume = self.registry.deepest(chain, kv_hit_blocks)
+        if resume:
+            self.registry.touch(chain[resume - 1])
+        if self.config.placement == "vllm" and kv_hit_blocks > resume:
+            self._junction[request] = kv_hit_blocks
+        return resume
+
+    def _keeps(self, request: int, position: int, last_boundary: int) -> bool:
+        placement = self.config.placement
+        if placement == "vllm":
+            return position == last_boundary or position == self._junction.get(request)
+        if placement == "dp":
+            return position in self.chosen
+        return position % self.config.grid_blocks == 0
+
+    @property
+    def chosen(self) -> frozenset[int]:
+        return frozenset(int(c) for c in self.estimator.checkpoints)
+
+    def prefilled(self, request: int, chain: list[int], from_blocks: int, to_blocks: int, last_boundary: int) -> None:
+        """``request``'s prefill passed block boundaries ``from_blocks + 1 .. to_blocks``: keep the
+        states the placement wants there (prompt boundaries only), then apply the budget."""
+        for k in range(from_blocks + 1, min(to_blocks, last_boundary) + 1):
+            if self._keeps(request, k, last_boundary):
+                self.registry.keep(chain[k - 1], k)
+        self.evicted += len(self.registry.enforce(self.chosen if self.config.placement == "dp" else ()))
+
+    def finished(self, request: int) -> None:
+        self._junction.pop(request, None)
+        self._observed.discard(request)
+
+    def metrics(self) -> dict:
+        return {"hybrid_placement": self.config.placement, "states_kept": len(self.registry),
+                "peak_states": self.registry.peak, "states_evicted": self.evicted,
+                "dp_solves": self.estimator.num_solves}
