@@ -127,7 +127,8 @@ def load_prefill(path: str):
     try:
         return PrefillTime.from_dict(data)
     except KeyError as exc:
-        raise ValueError(f"--prefill-profile {path}: missing key {exc}; write it with `feather profile prefill`") from None
+        raise ValueError(f"--prefill-profile {path}: missing key {exc}; "
+                         "write it with `feather profile prefill`") from None
 
 
 def format_report(report: dict) -> str:
@@ -149,9 +150,10 @@ def format_report(report: dict) -> str:
     if "layout" in report:
         layout = report["layout"]
         kv = report["methods"]["kv_only"]["kv_bytes"][0]
-        lines.append(f"layout {report['model']}: {layout['attention_layers']} attention + {layout['linear_layers']} "
-                     f"GDN layers, {layout['kv_bytes_per_token']} B KV per token, {layout['state_bytes']} B per "
-                     f"checkpoint; KV of the mean overlap {kv / 2**20:.2f} MiB per request (every method but no_cache)")
+        lines.append(f"layout {report.get('model') or 'given'}: {layout['attention_layers']} attention + "
+                     f"{layout['linear_layers']} GDN layers, {layout['kv_bytes_per_token']} B KV per token, "
+                     f"{layout['state_bytes']} B per checkpoint; KV of the mean overlap {kv / 2**20:.2f} MiB "
+                     "per request (every method but no_cache)")
         lines += _table(report, "recurrent state MiB per shared prefix (states stored x state bytes)",
                         lambda m, i, budget: f"{m['state_bytes'][i] / 2**20:.2f}")
     if "prefill" in report:

@@ -21,6 +21,8 @@ and ``W[t] = T(tB)``.
 
 from __future__ import annotations
 
+import itertools
+
 import time
 from dataclasses import asdict, dataclass
 
@@ -73,19 +75,29 @@ class PrefillTime:
     def fit(cls, points) -> PrefillTime:
         """Non-negative least squares of ``ms = a + b n + c n^2`` over ``(n, ms)`` pairs of prefills from 0.
 
-        Columns are scaled to unit norm before :func:`scipy.optimize.nnls`, as ``n^2`` spans
-        many more orders of magnitude than ``1``. Needs at least one point with ``n >= 1``.
+        Exact: the non-negative optimum is the unconstrained least-squares fit on some subset of
+        the three columns, so every subset is solved (columns scaled to unit norm, as ``n^2``
+        spans many more orders of magnitude than ``1``) and the best non-negative fit kept.
+        Needs at least one point with ``n >= 1``.
         """
-        from scipy.optimize import nnls
-
         data = np.asarray(points, dtype=np.float64).reshape(-1, 2)
         n, ms = data[:, 0], data[:, 1]
         if n.size == 0 or np.any(n < 1) or not np.all(np.isfinite(data)) or np.any(ms < 0):
             raise ValueError("points must be (tokens >= 1, ms >= 0) pairs, at least one")
         design = np.stack([np.ones_like(n), n, n * n], axis=1)
         scale = np.linalg.norm(design, axis=0)
-        coef, _ = nnls(design / scale, ms)
-        return cls(*(coef / scale).tolist())
+        scaled = design / scale
+        best, best_error = np.zeros(3), float(ms @ ms)
+        for subset in itertools.chain.from_iterable(itertools.combinations(range(3), k) for k in (1, 2, 3)):
+            columns = list(subset)
+            solution = np.linalg.lstsq(scaled[:, columns], ms, rcond=None)[0]
+            if np.all(solution >= 0):
+                coef = np.zeros(3)
+                coef[columns] = solution
+                error = float(np.sum((scaled @ coef - ms) ** 2))
+                if error < best_error:
+                    best, best_error = coef, error
+        return cls(*(best / scale).tolist())
 
     def to_dict(self) -> dict:
         return asdict(self)

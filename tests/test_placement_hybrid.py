@@ -178,7 +178,7 @@ def model_dir(tmp_path):
     from transformers import Qwen3NextConfig
 
     folder = tmp_path / "model"
-    Qwen3NextConfig(**{k: v for k, v in vars(CONFIG).items()}, num_hidden_layers=4, vocab_size=512).save_pretrained(folder)
+    Qwen3NextConfig(**vars(CONFIG), num_hidden_layers=4, vocab_size=512).save_pretrained(folder)
     return folder
 
 

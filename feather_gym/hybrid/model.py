@@ -11,7 +11,9 @@ learned, and saved with ``save_pretrained`` as a Hugging Face folder that vllm-c
 Vocabulary. Training computes logits only over the tokens that occur in the corpus (a
 compact vocabulary, about a third of SmolLM2's 49,152; the output projection dominates a
 step otherwise). The saved model has the full vocabulary: rows of tokens absent from the
-corpus are zero, so their logit is exactly 0 and they embed to the zero vector. Training ties
+corpus are zero, so their logit is exactly 0 and they embed to the zero vector. Those zero
+logits keep some probability mass, so the saved model's held-out perplexity (the one reported)
+is higher than the compact model's. Training ties
 the output projection to the embedding; the saved model stores both (equal) matrices, since
 vLLM's Qwen3-Next does not tie them.
 
@@ -116,7 +118,8 @@ SPECS = {
 
 
 def heldout_perplexity(model, ids: np.ndarray, seq_len: int, max_windows: int) -> float:
-    """exp(mean next-token NLL) over up to ``max_windows`` consecutive windows of ``ids``."""
+    """exp(mean next-token NLL) over up to ``max_windows`` consecutive windows of ``ids`` (the
+    full-vocabulary model: the held-out perplexity reported is that of the saved model)."""
     import torch
 
     windows = min(max_windows, (ids.size - 1) // seq_len)
@@ -166,7 +169,8 @@ def train_hybrid(spec: HybridSpec, settings: TrainSettings, target: Path, *, log
         if step % 10 == 0:
             log(f"step {step}: loss {np.mean(losses[-10:]):.3f} ({time.perf_counter() - start:.0f} s)")
     minutes = (time.perf_counter() - start) / 60
-    perplexity = heldout_perplexity(model, heldout_ids, settings.seq_len, settings.heldout_windows)
+    full = full_vocab_model(model, spec, vocab, tokenizer)
+    perplexity = heldout_perplexity(full, ids[split:], settings.seq_len, settings.heldout_windows)
     report = {"model": spec.name, "spec": dataclasses.asdict(spec), "settings": dataclasses.asdict(settings),
               "corpus": corpus_path().name, "corpus_tokens": int(ids.size), "vocab_in_corpus": int(vocab.size),
               "steps": step, "train_tokens": step * settings.batch_size * settings.seq_len,
@@ -175,12 +179,16 @@ def train_hybrid(spec: HybridSpec, settings: TrainSettings, target: Path, *, log
                                     * settings.seq_len),
               "heldout_perplexity": perplexity,
               "vocab_size": len(tokenizer)}
-    save_full_vocab(model, spec, vocab, tokenizer, target, report)
+    target.mkdir(parents=True, exist_ok=True)
+    full.save_pretrained(target)
+    tokenizer.save_pretrained(target)
+    (target / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
+    (target / _COMPLETE_MARKER).write_text(f"trained: {report['model']}\n")
     return report
 
 
-def save_full_vocab(model, spec: HybridSpec, vocab: np.ndarray, tokenizer, target: Path, report: dict) -> None:
-    """Save ``model`` (compact vocabulary ``vocab``) with the tokenizer's full vocabulary; absent rows are zero."""
+def full_vocab_model(model, spec: HybridSpec, vocab: np.ndarray, tokenizer):
+    """``model`` (compact vocabulary ``vocab``) over the tokenizer's full vocabulary; absent rows are zero."""
     import torch
     from transformers import Qwen3NextForCausalLM
 
@@ -192,11 +200,7 @@ def save_full_vocab(model, spec: HybridSpec, vocab: np.ndarray, tokenizer, targe
     state["model.embed_tokens.weight"] = embedding
     state["lm_head.weight"] = embedding.clone()
     full.load_state_dict(state)
-    target.mkdir(parents=True, exist_ok=True)
-    full.save_pretrained(target)
-    tokenizer.save_pretrained(target)
-    (target / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
-    (target / _COMPLETE_MARKER).write_text(f"trained: {report['model']}\n")
+    return full
 
 
 def hybrid_dir(kind: str = "trained", cache_dir: str | os.PathLike | None = None) -> Path:
