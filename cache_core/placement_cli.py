@@ -46,7 +46,8 @@ def register(commands) -> None:
                           help="hybrid model whose config gives the cache layout (state and KV bytes): "
                                "'hybrid' for the trained one, or a model folder")
     evaluate.add_argument("--prefill-profile", metavar="FILE", default=None,
-                          help="prefill-time JSON of `feather profile prefill`: adds estimated TTFT and dp_time")
+                          help="prefill-time JSON of `feather profile prefill`, or a shipped one (hybrid-vllm-cpu, "
+                               "hybrid-torch-cpu): adds estimated TTFT and dp_time")
     evaluate.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     evaluate.add_argument("--plot", metavar="FILE", help="write the Pareto plot as a PNG")
     evaluate.set_defaults(func=eval_command)
@@ -78,6 +79,7 @@ def eval_command(args) -> int:
     import numpy as np
 
     from cache_core.placement_eval import evaluate_placements
+    from cache_core.placement_heuristics import default_heuristics, engine_grids
     from traces.stats import overlap_depths
     from traces.workload import resolve_workload
 
@@ -90,11 +92,12 @@ def eval_command(args) -> int:
     layout = None if args.model is None else load_layout(args.model)
     prefill = None if args.prefill_profile is None else load_prefill(args.prefill_profile)
     hybrid = layout is not None or prefill is not None
+    heuristics = (*default_heuristics(), *engine_grids(block_size)) if hybrid else None
     prompt_tokens = np.array([r.input_len for r in trace]) if hybrid else None
     report = {"workload": args.workload, "cache_blocks": args.cache_blocks, "model": args.model,
               **evaluate_placements(depths, block_size=block_size, budgets=budgets, decay=args.decay,
                                    resolve_every=args.resolve_every, prompt_tokens=prompt_tokens,
-                                   layout=layout, prefill=prefill)}
+                                   layout=layout, prefill=prefill, heuristics=heuristics)}
     if args.plot:
         plot_frontier(report, args.plot)
     print(format_report(report))
@@ -118,10 +121,21 @@ def load_layout(model: str):
     return HybridCacheLayout.from_model_dir(folder)
 
 
+#: Prefill-time profiles shipped with the package (``--prefill-profile NAME``), measured on the
+#: trained hybrid model on the development machine (see the README).
+SHIPPED_PREFILL = {"hybrid-vllm-cpu": "prefill-hybrid-vllm-cpu.json", "hybrid-torch-cpu": "prefill-hybrid-torch-cpu.json"}
+
+
 def load_prefill(path: str):
-    """The :class:`~cache_core.recompute_cost.PrefillTime` in a ``feather profile prefill`` JSON file."""
+    """The :class:`~cache_core.recompute_cost.PrefillTime` of a ``feather profile prefill`` JSON
+    file, or of a shipped profile named in :data:`SHIPPED_PREFILL`."""
+    from importlib.resources import files
+    from pathlib import Path
+
     from cache_core.recompute_cost import PrefillTime
 
+    if path in SHIPPED_PREFILL and not Path(path).exists():
+        path = str(files("feather_gym.costmodel") / "profiles" / SHIPPED_PREFILL[path])
     with open(path) as f:
         data = json.load(f)
     try:
@@ -185,12 +199,14 @@ def plot_frontier(report: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     x_key = "state_bytes" if "layout" in report else "states_stored"
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    colors = iter(plt.get_cmap("tab20").colors)         # one distinct colour per method (up to 20)
     stateless = []
     for name, method in report["methods"].items():
         points = sorted({(s, r) for s, r in zip(method[x_key], method["expected_recompute_tokens"]) if s > 0})
         if points:
-            ax.plot(*zip(*points), marker="o" if name == "dp" else ".", linewidth=2 if name == "dp" else 1, label=name)
+            ax.plot(*zip(*points), marker="o" if name == "dp" else ".", linewidth=2.5 if name == "dp" else 1,
+                    color=next(colors), label=name)
         else:
             stateless.append(name)
     if stateless:
@@ -201,7 +217,7 @@ def plot_frontier(report: dict, path: str) -> None:
     ax.set_ylabel("expected recomputed tokens per request")
     ax.set_title(f"{report['workload']} (block {report['block_size_tokens']} tokens)")
     ax.grid(True, alpha=0.3)
-    ax.legend()
+    ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

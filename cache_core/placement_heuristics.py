@@ -13,6 +13,11 @@ name               positions for horizon N and budget M
 ``sqrt``           every ``ceil(sqrt(N))`` blocks (the classic sqrt-decomposition interval)
 ``dyadic``         ``1, 2, 4, 8, ...`` (logarithmic); the deepest ``M`` when over budget
 ``end_of_prompt``  ``N`` only: keep the final state, as dense-style caches do
+``grid_T``         every ``T`` tokens (:func:`engine_grids`: vLLM align-mode grids of 256,
+                   512, 1,024 and 2,048-token blocks, when every block keeps its state)
+``sglang_C``       SGLang-style: the end of every ``C``-token prefill chunk and the prompt's
+                   end ``N`` (its extra state every 256 *decode* tokens is not modelled: the
+                   depths here are prompt depths)
 =================  =======================================================================
 """
 
@@ -63,6 +68,25 @@ class EveryBlocks(PlacementHeuristic):
         return np.arange(step, num_positions + 1, step)
 
 
+class TokenGrid(EveryBlocks):
+    """A state every ``tokens`` tokens (rounded to whole blocks of ``block_size``)."""
+
+    def __init__(self, tokens: int, block_size: int) -> None:
+        super().__init__(max(1, tokens // block_size))
+        self.name = f"grid_{tokens}"
+
+
+class SGLangChunks(PlacementHeuristic):
+    """A state at the end of every prefill chunk of ``chunk_tokens`` and at the prompt's end."""
+
+    def __init__(self, chunk_tokens: int, block_size: int) -> None:
+        self.chunk_blocks = max(1, chunk_tokens // block_size)
+        self.name = f"sglang_{chunk_tokens}"
+
+    def _positions(self, num_positions: int, budget: int) -> np.ndarray:
+        return np.append(np.arange(self.chunk_blocks, num_positions, self.chunk_blocks), num_positions)
+
+
 class SqrtSpacing(EveryBlocks):
     """A state every ``ceil(sqrt(N))`` blocks."""
 
@@ -105,3 +129,14 @@ class EndOfPrompt(PlacementHeuristic):
 def default_heuristics(block_interval: int = 16) -> tuple[PlacementHeuristic, ...]:
     """The five baselines of the evaluation, in report order."""
     return (EveryBlocks(block_interval), Balanced(), SqrtSpacing(), Dyadic(), EndOfPrompt())
+
+
+#: SGLang's default chunked-prefill size (tokens) for the ``sglang_C`` baseline.
+SGLANG_CHUNK_TOKENS = 8192
+
+
+def engine_grids(block_size: int) -> tuple[PlacementHeuristic, ...]:
+    """The engines' fixed schedules at ``block_size``-token positions: vLLM grids of 256, 512,
+    1,024 and 2,048 tokens and SGLang's per-chunk schedule."""
+    return (*(TokenGrid(tokens, block_size) for tokens in (256, 512, 1024, 2048)),
+            SGLangChunks(SGLANG_CHUNK_TOKENS, block_size))

@@ -4,15 +4,14 @@ One definition for the simulator's hybrid mode (:mod:`feather_gym.simulator`) an
 plug-in (:mod:`deploy.hybrid_placement`). A state is keyed by the chained digest of the
 prefix it summarises (the digest of the block it ends) and sits at a position in blocks.
 
-Eviction order when more than ``max_states`` are kept (:meth:`StateRegistry.enforce`):
-states at positions outside the current placement first, then the least recently used (a
-state is used when it is kept or when a lookup resumes from it).
+Eviction when more than ``max_states`` are kept (:meth:`StateRegistry.enforce`): the least
+recently used first (a state is used when it is kept or when a lookup resumes from it). Which
+states are kept at all is the placement's choice, made before they reach the registry.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable
 
 
 class StateRegistry:
@@ -48,16 +47,10 @@ class StateRegistry:
     def discard(self, key) -> None:
         self._states.pop(key, None)
 
-    def enforce(self, chosen: Iterable[int] = ()) -> list:
-        """Remove and return the states over ``max_states``: positions outside ``chosen`` first,
-        least recently used first within each class."""
-        victims = []
-        if self.max_states is not None and len(self._states) > self.max_states:
-            chosen = frozenset(chosen)
-            ranked = sorted(self._states, key=lambda k: self._states[k] in chosen)   # stable: LRU order kept
-            victims = ranked[: len(self._states) - self.max_states]
-            for key in victims:
-                del self._states[key]
+    def enforce(self) -> list:
+        """Remove and return the least recently used states over ``max_states``."""
+        excess = 0 if self.max_states is None else max(0, len(self._states) - self.max_states)
+        victims = [self._states.popitem(last=False)[0] for _ in range(excess)]
         self.peak = max(self.peak, len(self._states))
         return victims
 

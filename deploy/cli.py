@@ -55,7 +55,7 @@ def register(commands) -> None:
     hybrid.add_argument("--state-budget-mib", type=float, default=DEFAULT_STATE_BUDGET_MIB,
                         help=f"recurrent-state budget of the capped sides (default {DEFAULT_STATE_BUDGET_MIB:g})")
     hybrid.add_argument("--checkpoints", type=int, default=8, help="DP states per shared prefix (default 8)")
-    hybrid.add_argument("--resolve-every", type=int, default=8, help="DP re-solve interval in requests (default 8)")
+    hybrid.add_argument("--resolve-every", type=int, default=1, help="DP re-solve interval in requests of a prefix family (default 1)")
     hybrid.add_argument("--kv-cache-gib", type=float, default=None, help="KV-cache size in GiB (default 0.5)")
     hybrid.add_argument("--offline", action="store_true", help="submit all requests at the round's start")
     hybrid.add_argument("--time-scale", type=float, default=1.0, help="multiply arrival times by this")

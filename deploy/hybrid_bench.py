@@ -77,7 +77,7 @@ def add_recompute(result: dict) -> dict:
 
 
 def hybrid_bench(*, model: str = "trained", workloads: dict[str, str] | None = None, rounds: int = DEFAULT_ROUNDS,
-                 state_budget_mib: float = DEFAULT_STATE_BUDGET_MIB, checkpoints: int = 8, resolve_every: int = 8,
+                 state_budget_mib: float = DEFAULT_STATE_BUDGET_MIB, checkpoints: int = 8, resolve_every: int = 1,
                  kv_cache_gib: float | None = None, online: bool = True, time_scale: float = 1.0,
                  text: bool = True, seed: int = 0) -> dict:
     """The whole report: one engine on the hybrid model, :func:`run_schedulers` per workload."""

@@ -24,15 +24,18 @@ turns on for hybrids; read from the installed source):
 What :class:`HybridPlacementMixin` changes (attention KV, budgets and outputs stay vLLM's):
 
 * ``placement="dp"``: the positions kept are those of the exact DP
-  (:func:`cache_core.placement.solve`) for the overlap-depth distribution that an
-  :class:`~cache_core.overlap_estimator.OnlineOverlapEstimator` learns from every lookup (the
-  depth is the attention hit, in blocks: how far the prompt matched cached text). Prefill
-  chunks are cut at those positions so their states exist, the masks keep only them, and
-  vLLM's junction stop is switched off. Until the first solve nothing is kept.
+  (:func:`cache_core.placement.solve`) for the overlap-depth distribution learnt online from
+  every lookup (the depth is the attention hit, in blocks: how far the prompt matched cached
+  text), one distribution per prefix family (:class:`~cache_core.rooted_placement.RootedPlacement`:
+  the family is the prompt's first block). The DP replaces vLLM's junction rule: prefill
+  chunks are cut at the DP's positions so their states exist, the masks keep them and vLLM's
+  replay boundary (the prompt's last full block, which a resend or an extension of the prompt
+  resumes from), and vLLM's junction stop is switched off. A family whose placement is still
+  empty (no overlap seen yet) keeps vLLM's own positions, junctions included.
 * ``placement="vllm"``: vLLM's own positions.
 * Both: at most ``state_budget_bytes`` of kept states (``floor(budget / bytes per state)``
-  states). Over the cap, states at positions outside the current placement go first, then the
-  least recently hit. Eviction only removes a state's hash (vLLM's ``evict_blocks``) in all GDN
+  states); over the cap the least recently kept or hit go first
+  (:class:`~cache_core.state_registry.StateRegistry`). Eviction only removes a state's hash (vLLM's ``evict_blocks``) in all GDN
   groups at once, after ``schedule()`` returns: reference counts, free queue and block tables
   stay vLLM's.
 
@@ -54,7 +57,7 @@ from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.core.single_type_kv_cache_manager import MambaManager  # noqa: E402
 from vllm.v1.kv_cache_interface import MambaSpec  # noqa: E402
 
-from cache_core.overlap_estimator import OnlineOverlapEstimator  # noqa: E402
+from cache_core.rooted_placement import RootedPlacement  # noqa: E402
 from cache_core.state_registry import StateRegistry  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -68,8 +71,9 @@ PLACEMENTS = ("dp", "vllm")
 class HybridPlacementConfig:
     """Settings of the hybrid placement plug-in (see the module docstring).
 
-    ``checkpoints`` is the DP's budget of states per shared prefix, over a horizon of
-    ``horizon_blocks`` blocks; ``decay`` and ``resolve_every`` drive the online estimator.
+    ``checkpoints`` is the DP's budget of states per prefix family, over a horizon of
+    ``horizon_blocks`` blocks; ``decay`` and ``resolve_every`` (observations of a family) drive
+    its online estimator.
     ``state_budget_bytes`` (pool bytes, ``None`` = no cap) bounds all kept states together.
     """
 
@@ -78,7 +82,7 @@ class HybridPlacementConfig:
     checkpoints: int = 8
     horizon_blocks: int = 64
     decay: float = 0.999
-    resolve_every: int = 16
+    resolve_every: int = 1
 
     def __post_init__(self) -> None:
         if self.placement not in PLACEMENTS:
@@ -122,8 +126,8 @@ class HybridPlacementMixin:
         self.max_states = (None if config.state_budget_bytes is None
                            else config.state_budget_bytes // self.state_pool_bytes)
         self.states = StateRegistry(self.max_states)              # vLLM block hash -> position (blocks)
-        self.estimator = OnlineOverlapEstimator(config.horizon_blocks, config.checkpoints, decay=config.decay,
-                                                resolve_every=config.resolve_every)
+        self.placement = RootedPlacement(config.horizon_blocks, config.checkpoints, decay=config.decay,
+                                         resolve_every=config.resolve_every)
         self.evicted_states = 0
         self._observed: set[str] = set()                          # requests whose depth the estimator has
         if config.placement == "dp":
@@ -134,27 +138,39 @@ class HybridPlacementMixin:
 
     # -- which states are registered ---------------------------------------------------------
 
-    @property
-    def chosen_positions(self) -> frozenset[int]:
-        """Block boundaries (in blocks) whose states the current placement keeps."""
-        return frozenset(int(c) for c in self.estimator.checkpoints)
+    @staticmethod
+    def root(request):
+        """The request's prefix family: its first block's hash (None before a full block)."""
+        return request.block_hashes[0] if request.block_hashes else None
+
+    def chosen_positions(self, request) -> frozenset[int]:
+        """Block boundaries (in blocks) whose states the DP placement of ``request``'s family keeps
+        (empty: the family has none yet, and vLLM's own positions are kept)."""
+        return self.placement.chosen(self.root(request))
 
     def _keep_only_chosen(self, manager: MambaManager) -> None:
-        """Register a chunk-end state only at a chosen position (instance-level overrides)."""
-        tail = manager._cache_partial_tail_block
-        block_size = self.cache_config.block_size
+        """Register the chunk-end states vLLM keeps plus those at the DP's positions for the
+        request being cached (instance-level overrides: vLLM's mask has no request argument,
+        so ``cache_blocks`` records it). vLLM's junctions are off where the DP decides."""
+        cache_blocks, vllm_mask = manager.cache_blocks, manager.reachable_block_mask
+        caching = []
+
+        def cache_blocks_of(request, *args, **kwargs):
+            caching.append(request)
+            try:
+                return cache_blocks(request, *args, **kwargs)
+            finally:
+                caching.pop()
 
         def mask(start_block, end_block, *args, **kwargs):
-            chosen = self.chosen_positions          # block i holds the state after (i + 1) blocks
-            return [(i + 1) in chosen for i in range(start_block, end_block)]
-
-        def partial_tail(request, num_tokens, retention_interval):
-            if num_tokens % block_size or num_tokens // block_size not in self.chosen_positions:
+            vllm_keeps = vllm_mask(start_block, end_block, *args, **kwargs)   # None: vLLM keeps every one
+            if vllm_keeps is None:
                 return None
-            return tail(request, num_tokens, retention_interval)
+            chosen = self.chosen_positions(caching[-1])   # block i holds the state after (i + 1) blocks
+            return [kept or (i + 1) in chosen for i, kept in zip(range(start_block, end_block), vllm_keeps)]
 
+        manager.cache_blocks = cache_blocks_of
         manager.reachable_block_mask = mask
-        manager._cache_partial_tail_block = partial_tail
 
     def _mamba_block_aligned_split(self, request, num_new_tokens, num_new_local_computed_tokens=0,
                                    num_external_computed_tokens=0):
@@ -167,7 +183,7 @@ class HybridPlacementMixin:
         if start >= max(request.num_prompt_tokens, request.num_tokens - 1):
             return n
         block_size = self.cache_config.block_size
-        stops = [c * block_size for c in self.chosen_positions if start < c * block_size < start + n]
+        stops = [c * block_size for c in self.chosen_positions(request) if start < c * block_size < start + n]
         return min(stops, default=start + n) - start
 
     def _get_local_prefix_cache_hit(self, request):
@@ -175,13 +191,12 @@ class HybridPlacementMixin:
         blocks, num_local, junction, diverged = super()._get_local_prefix_cache_hit(request)
         if request.request_id not in self._observed:
             self._observed.add(request.request_id)
-            depth = (junction or num_local) // self.cache_config.block_size
-            self.estimator.observe(min(depth, self.hybrid_config.horizon_blocks))
+            self.placement.observe(self.root(request), (junction or num_local) // self.cache_config.block_size)
         if num_local:
             state = blocks.blocks[next(iter(self._mamba))][-1].block_hash
             if state is not None:
                 self.states.touch(get_block_hash(state))
-        if self.hybrid_config.placement == "dp":
+        if self.hybrid_config.placement == "dp" and self.chosen_positions(request):
             junction = 0                         # the DP, not vLLM's junction rule, decides what is kept
         return blocks, num_local, junction, diverged
 
@@ -220,8 +235,7 @@ class HybridPlacementMixin:
                 self.states.discard(state_hash)
 
     def _enforce_budget(self) -> None:
-        chosen = self.chosen_positions if self.hybrid_config.placement == "dp" else ()
-        victims = self.states.enforce(chosen)
+        victims = self.states.enforce()
         if victims:
             self.kv_cache_manager.evict_blocks({b.block_id for h in victims for b in self._live(h)})
             self.evicted_states += len(victims)
@@ -236,8 +250,8 @@ class HybridPlacementMixin:
                 "peak_state_bytes": self.states.peak * self.state_pool_bytes,
                 "state_pool_bytes": self.state_pool_bytes,
                 "state_content_bytes": self.state_content_bytes, "max_states": self.max_states,
-                "states_evicted": self.evicted_states, "dp_solves": self.estimator.num_solves,
-                "chosen_positions_blocks": sorted(self.chosen_positions)}
+                "states_evicted": self.evicted_states, "dp_solves": self.placement.num_solves,
+                "dp_families": len(self.placement), "chosen_positions_blocks": sorted(self.placement.all_chosen())}
 
 
 class HybridPlacementScheduler(HybridPlacementMixin, Scheduler):

@@ -24,6 +24,7 @@ PROVIDERS = (
     "deploy.cli",                  # feather serve bench, feather bench policy
     "deploy.sim_validate",         # feather sim validate
     "feather_gym.hybrid.cli",      # feather hybrid build|check
+    "cache_core.replay_cli",       # feather replay eval
 )
 
 

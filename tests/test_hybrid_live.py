@@ -97,3 +97,17 @@ def test_vllm_and_transformers_agree_on_greedy_tokens(model_dir):
 
     report = compare_greedy(model_dir, num_prompts=4, max_tokens=256, max_new_tokens=8)
     assert report["first_token_agreement"] >= 0.75, report
+
+
+@slow
+def test_hybrid_build_reports_the_training_and_the_layout(capsys):
+    import json
+    import math
+
+    from feather_gym.cli import main
+
+    assert main(["hybrid", "build", "--model", "tiny", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["steps"] > 0 and math.isfinite(report["heldout_perplexity"]) and report["heldout_tokens"] > 0
+    assert report["layout"]["linear_layers"] == 3 and report["layout"]["attention_layers"] == 1
+    assert report["corpus"] in ("war_and_peace.txt", "Isaac.Newton-Opticks.txt")

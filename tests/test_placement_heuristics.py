@@ -62,3 +62,13 @@ def test_bad_arguments():
         EveryBlocks(0)
     with pytest.raises(ValueError, match="budget"):
         Balanced().place(10, -1)
+
+
+def test_engine_grids_place_by_tokens_and_sglang_adds_the_prompt_end():
+    from cache_core.placement_heuristics import SGLangChunks, TokenGrid, engine_grids
+
+    assert TokenGrid(512, 16).place(100, 10).tolist() == [32, 64, 96]
+    assert TokenGrid(256, 384).place(5, 10).tolist() == [1, 2, 3, 4, 5]          # at least one block
+    assert SGLangChunks(8192, 1024).place(20, 10).tolist() == [8, 16, 20]
+    assert SGLangChunks(8192, 1024).place(20, 2).tolist() == [8, 16]              # over budget: shallowest
+    assert [h.name for h in engine_grids(16)] == ["grid_256", "grid_512", "grid_1024", "grid_2048", "sglang_8192"]

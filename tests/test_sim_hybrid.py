@@ -93,15 +93,30 @@ def test_cached_fraction_counts_only_resumable_blocks(cost_model):
     assert cached_fraction(HybridSimConfig(placement="grid", grid_blocks=2, state_blocks=1)) == pytest.approx(4 / 6)
 
 
-def test_state_registry_evicts_outside_the_placement_first_then_lru():
+def test_state_registry_evicts_the_least_recently_used():
     registry = StateRegistry(max_states=2)
     for key, position in (("a", 1), ("b", 2), ("c", 3)):
         registry.keep(key, position)
     registry.touch("a")
-    assert registry.enforce(chosen={1, 2}) == ["c"]              # outside the placement
+    assert registry.enforce() == ["b"]
     registry.keep("d", 4)
-    assert registry.enforce(chosen={1, 2, 4}) == ["b"]           # least recently used of the chosen
+    assert registry.enforce() == ["c"]
     assert registry.deepest(["a", "x", "y", "d"], 4) == 4 and registry.deepest(["a", "x", "y", "d"], 3) == 1
-    assert registry.peak == 2
+    assert registry.peak == 2 and len(registry) == 2
     with pytest.raises(ValueError):
         StateRegistry(-1)
+
+
+def test_rooted_placement_learns_one_placement_per_prefix_family():
+    from cache_core.rooted_placement import RootedPlacement
+
+    placement = RootedPlacement(horizon_blocks=16, budget=2, resolve_every=1, max_roots=2)
+    for depth in (4, 4, 4):
+        placement.observe("doc-a", depth)
+    for depth in (9, 9):
+        placement.observe("doc-b", depth)
+    placement.observe(None, 5)                                    # no full block: no family
+    assert placement.chosen("doc-a") == {4} and placement.chosen("doc-b") == {9}
+    assert placement.chosen("unseen") == frozenset() and placement.all_chosen() == {4, 9}
+    placement.observe("doc-c", 3)                                 # a third family forgets the oldest
+    assert len(placement) == 2 and placement.chosen("doc-a") == frozenset()

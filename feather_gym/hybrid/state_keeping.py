@@ -10,8 +10,10 @@ placement   states kept as a prefill passes block boundary ``k``
 ==========  =================================================================================
 ``vllm``    vLLM 0.32's own rule: the prompt's last full block ``(P - 1) // B``, and the
             "junction" ``A`` of a lookup whose attention hit ``A`` was deeper than its state hit
-``dp``      ``k`` in the exact DP's placement for the overlap depths observed so far
-            (:class:`~cache_core.overlap_estimator.OnlineOverlapEstimator`, as the plug-in)
+``dp``      the prompt's last full block, and ``k`` in the exact DP's placement for the
+            overlap depths observed so far in the prompt's family
+            (:class:`~cache_core.rooted_placement.RootedPlacement`, as the plug-in: the DP
+            replaces vLLM's junctions); vLLM's rule while that placement is empty
 ``grid``    every ``grid_blocks``-th boundary (a fixed grid, e.g. one state per 1,024 tokens)
 ==========  =================================================================================
 
@@ -30,7 +32,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from cache_core.overlap_estimator import OnlineOverlapEstimator
+from cache_core.rooted_placement import RootedPlacement
 from cache_core.state_registry import StateRegistry
 
 PLACEMENTS = ("vllm", "dp", "grid")
@@ -47,7 +49,7 @@ class HybridSimConfig:
     checkpoints: int = 8
     horizon_blocks: int = 64
     decay: float = 0.999
-    resolve_every: int = 16
+    resolve_every: int = 1
 
     def __post_init__(self) -> None:
         if self.placement not in PLACEMENTS:
@@ -68,8 +70,8 @@ class StateKeeper:
     def __init__(self, config: HybridSimConfig, block_size: int) -> None:
         self.config, self.block_size = config, block_size
         self.registry = StateRegistry(config.max_states)
-        self.estimator = OnlineOverlapEstimator(config.horizon_blocks, config.checkpoints, decay=config.decay,
-                                                resolve_every=config.resolve_every)
+        self.placement = RootedPlacement(config.horizon_blocks, config.checkpoints, decay=config.decay,
+                                         resolve_every=config.resolve_every)
         self._junction: dict[int, int] = {}
         self._observed: set[int] = set()
         self.evicted = 0
@@ -83,33 +85,37 @@ class StateKeeper:
         kept state at or below it. Records the depth (once per request) and vLLM's junction."""
         if request not in self._observed:
             self._observed.add(request)
-            self.estimator.observe(min(kv_hit_blocks, self.config.horizon_blocks))
+            self.placement.observe(chain[0] if chain else None, kv_hit_blocks)
         resume = self.registry.deepest(chain, kv_hit_blocks)
         if resume:
             self.registry.touch(chain[resume - 1])
-        if self.config.placement == "vllm" and kv_hit_blocks > resume:
+        if self._rule(chain) == "vllm" and kv_hit_blocks > resume:
             self._junction[request] = kv_hit_blocks
         return resume
 
-    def _keeps(self, request: int, position: int, last_boundary: int) -> bool:
+    def _rule(self, chain: list[int]) -> str:
+        """The placement deciding for a prompt: ``dp`` falls back to vLLM's rule while its
+        family's placement is empty."""
         placement = self.config.placement
-        if placement == "vllm":
-            return position == last_boundary or position == self._junction.get(request)
-        if placement == "dp":
-            return position in self.chosen
-        return position % self.config.grid_blocks == 0
+        if placement == "dp" and not self.placement.chosen(chain[0] if chain else None):
+            return "vllm"
+        return placement
 
-    @property
-    def chosen(self) -> frozenset[int]:
-        return frozenset(int(c) for c in self.estimator.checkpoints)
+    def _keeps(self, request: int, rule: str, root, position: int, last_boundary: int) -> bool:
+        if rule == "vllm":
+            return position == last_boundary or position == self._junction.get(request)
+        if rule == "dp":
+            return position == last_boundary or position in self.placement.chosen(root)
+        return position % self.config.grid_blocks == 0
 
     def prefilled(self, request: int, chain: list[int], from_blocks: int, to_blocks: int, last_boundary: int) -> None:
         """``request``'s prefill passed block boundaries ``from_blocks + 1 .. to_blocks``: keep the
         states the placement wants there (prompt boundaries only), then apply the budget."""
+        root, rule = (chain[0] if chain else None), self._rule(chain)
         for k in range(from_blocks + 1, min(to_blocks, last_boundary) + 1):
-            if self._keeps(request, k, last_boundary):
+            if self._keeps(request, rule, root, k, last_boundary):
                 self.registry.keep(chain[k - 1], k)
-        self.evicted += len(self.registry.enforce(self.chosen if self.config.placement == "dp" else ()))
+        self.evicted += len(self.registry.enforce())
 
     def finished(self, request: int) -> None:
         self._junction.pop(request, None)
@@ -118,4 +124,4 @@ class StateKeeper:
     def metrics(self) -> dict:
         return {"hybrid_placement": self.config.placement, "states_kept": len(self.registry),
                 "peak_states": self.registry.peak, "states_evicted": self.evicted,
-                "dp_solves": self.estimator.num_solves}
+                "dp_solves": self.placement.num_solves}

@@ -1,0 +1,117 @@
+"""The anchor sidecar: SuffixReplay's anchors, kept beside (not inside) the KV prefix cache.
+
+An entry is the anchors of one page boundary: for every anchored GDN layer ``l``, the last
+``R_l`` layer inputs before the boundary, ``[R_l, hidden]`` in the store dtype. It is keyed by
+the chained digest of the prefix that ends at that boundary, the same key the CHT and the
+prefix cache use (:func:`traces.chunk_hash.chained_chunk_hashes` with ``chunk_size`` = the
+page size; :meth:`AnchorStore.keys_for` computes them), so a KV prefix hit of ``i + 1`` pages
+looks up ``keys[i]``.
+
+Invariants (``tests/test_suffix_replay.py``):
+
+* every entry has exactly the configured layers and shapes, so all entries have the same size,
+  :attr:`AnchorStore.entry_bytes` ``= sum_l R_l * hidden * dtype bytes``; ``used_bytes`` is
+  the sum over entries and never exceeds ``budget_bytes``;
+* storage per cached token is :attr:`AnchorStore.bytes_per_cached_token` ``= entry_bytes /
+  page_tokens`` (one entry per page of prefix kept);
+* eviction is least-recently-used: a ``put`` or a successful ``get`` makes an entry the most
+  recent; ``put`` evicts the least recent entries until the new one fits, and returns them.
+
+Errors are explicit: ``KeyError`` for a hit without anchors (the caller falls back to a stored
+state or recomputation), ``ValueError`` for a budget that cannot hold one entry and for anchors
+whose layers, shapes or sizes do not match the store's configuration.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+import torch
+
+from traces.chunk_hash import chained_chunk_hashes
+
+#: Store dtypes and their sizes in bytes.
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+class AnchorStore:
+    """A byte-budgeted LRU map: chained page digest (uint64) -> {GDN layer: anchors [R_l, hidden]}."""
+
+    def __init__(self, budget_bytes: int, *, hidden_size: int, replay_tokens: dict[int, int],
+                 page_tokens: int = 256, dtype: str = "bfloat16") -> None:
+        if dtype not in DTYPES:
+            raise ValueError(f"unknown anchor dtype {dtype!r}; choose from {sorted(DTYPES)}")
+        if not replay_tokens or min(replay_tokens.values()) < 1 or hidden_size < 1 or page_tokens < 1:
+            raise ValueError("need at least one anchored layer, R_l >= 1, hidden_size >= 1 and page_tokens >= 1")
+        self.hidden_size, self.page_tokens, self.dtype = int(hidden_size), int(page_tokens), DTYPES[dtype]
+        self.replay_tokens = {int(l): int(r) for l, r in sorted(replay_tokens.items())}
+        self.entry_bytes = sum(self.replay_tokens.values()) * self.hidden_size * self.dtype.itemsize
+        if budget_bytes < self.entry_bytes:
+            raise ValueError(f"anchor budget of {budget_bytes} bytes is too small for one entry of "
+                             f"{self.entry_bytes} bytes ({sum(self.replay_tokens.values())} anchors x "
+                             f"{self.hidden_size} x {self.dtype.itemsize} B)")
+        self.budget_bytes = int(budget_bytes)
+        self._entries: OrderedDict[int, dict[int, torch.Tensor]] = OrderedDict()
+        self.used_bytes = 0
+        self.evictions = 0
+
+    @property
+    def bytes_per_cached_token(self) -> float:
+        """Anchor bytes per prefix token kept (one entry per page)."""
+        return self.entry_bytes / self.page_tokens
+
+    @property
+    def capacity_entries(self) -> int:
+        return self.budget_bytes // self.entry_bytes
+
+    def keys_for(self, tokens) -> np.ndarray:
+        """The digest of every page boundary of ``tokens`` (uint64, one per full page)."""
+        return chained_chunk_hashes(np.asarray(tokens), self.page_tokens)
+
+    def put(self, key: int, anchors: dict[int, torch.Tensor | np.ndarray]) -> list[int]:
+        """Store (or refresh) the anchors of page digest ``key``; returns the evicted keys."""
+        key = int(key)
+        if sorted(anchors) != list(self.replay_tokens):
+            raise ValueError(f"anchors for layers {sorted(anchors)}, store keeps layers {list(self.replay_tokens)}")
+        entry = {}
+        for layer, r in self.replay_tokens.items():
+            tensor = torch.as_tensor(anchors[layer])
+            if tuple(tensor.shape) != (r, self.hidden_size):
+                raise ValueError(f"layer {layer}: anchors of shape {tuple(tensor.shape)}, "
+                                 f"expected ({r}, {self.hidden_size})")
+            entry[layer] = tensor.detach().to(self.dtype).contiguous().clone()
+        if key in self._entries:
+            self._remove(key)
+        evicted = []
+        while self.used_bytes + self.entry_bytes > self.budget_bytes:
+            oldest = next(iter(self._entries))
+            self._remove(oldest)
+            evicted.append(oldest)
+        self.evictions += len(evicted)
+        self._entries[key] = entry
+        self.used_bytes += sum(t.numel() * t.element_size() for t in entry.values())
+        return evicted
+
+    def get(self, key: int) -> dict[int, torch.Tensor]:
+        """The anchors of ``key`` (made most recent); ``KeyError`` when the prefix has no anchors."""
+        key = int(key)
+        if key not in self._entries:
+            raise KeyError(f"no anchors for page digest {key:#018x}: a KV prefix hit without anchors "
+                           f"(never stored or evicted); fall back to a stored state or recompute")
+        self._entries.move_to_end(key)
+        return self._entries[key]
+
+    def deepest_hit(self, keys) -> int:
+        """Index of the deepest page digest in ``keys`` that has anchors, or -1 (no LRU update)."""
+        return next((i for i in range(len(keys) - 1, -1, -1) if int(keys[i]) in self._entries), -1)
+
+    def _remove(self, key: int) -> None:
+        entry = self._entries.pop(key)
+        self.used_bytes -= sum(t.numel() * t.element_size() for t in entry.values())
+
+    def __contains__(self, key) -> bool:
+        return int(key) in self._entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
