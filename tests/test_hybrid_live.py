@@ -66,6 +66,7 @@ def test_engine_plugs_in_the_placement_scheduler_and_its_layout_matches_the_cach
     spec = attention[0].kv_cache_spec
     assert spec.page_size_bytes == spec.block_size * layout.kv_bytes_per_token_per_layer
     assert mamba[0].kv_cache_spec.page_size_bytes == layout.vllm_page_bytes(spec.block_size)
+    assert spec.block_size == layout.vllm_block_size()
 
 
 @slow
