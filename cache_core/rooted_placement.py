@@ -16,10 +16,26 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Hashable
+from dataclasses import dataclass
 
 from cache_core.overlap_estimator import OnlineOverlapEstimator
 
 _NONE: frozenset[int] = frozenset()
+
+
+@dataclass(frozen=True)
+class FamilyPlacementSettings:
+    """The DP's settings per prefix family: ``checkpoints`` states over ``horizon_blocks`` blocks,
+    the estimator's ``decay`` and ``resolve_every`` (observations of the family)."""
+
+    checkpoints: int = 8
+    horizon_blocks: int = 64
+    decay: float = 0.999
+    resolve_every: int = 1
+
+    def rooted_placement(self) -> RootedPlacement:
+        return RootedPlacement(self.horizon_blocks, self.checkpoints, decay=self.decay,
+                               resolve_every=self.resolve_every)
 
 
 class RootedPlacement:

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from deploy.vllm_compat import require_supported_vllm
 
@@ -57,8 +57,9 @@ from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.core.single_type_kv_cache_manager import MambaManager  # noqa: E402
 from vllm.v1.kv_cache_interface import MambaSpec  # noqa: E402
 
-from cache_core.rooted_placement import RootedPlacement  # noqa: E402
+from cache_core.rooted_placement import FamilyPlacementSettings  # noqa: E402
 from cache_core.state_registry import StateRegistry  # noqa: E402
+from deploy.plugin_config import config_section  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -68,21 +69,13 @@ PLACEMENTS = ("dp", "vllm")
 
 
 @dataclass(frozen=True)
-class HybridPlacementConfig:
-    """Settings of the hybrid placement plug-in (see the module docstring).
-
-    ``checkpoints`` is the DP's budget of states per prefix family, over a horizon of
-    ``horizon_blocks`` blocks; ``decay`` and ``resolve_every`` (observations of a family) drive
-    its online estimator.
-    ``state_budget_bytes`` (pool bytes, ``None`` = no cap) bounds all kept states together.
-    """
+class HybridPlacementConfig(FamilyPlacementSettings):
+    """Settings of the hybrid placement plug-in (see the module docstring): the DP's per family
+    (:class:`~cache_core.rooted_placement.FamilyPlacementSettings`), ``placement`` and
+    ``state_budget_bytes`` (pool bytes, ``None`` = no cap) bounding all kept states together."""
 
     placement: str = "dp"
     state_budget_bytes: int | None = None
-    checkpoints: int = 8
-    horizon_blocks: int = 64
-    decay: float = 0.999
-    resolve_every: int = 1
 
     def __post_init__(self) -> None:
         if self.placement not in PLACEMENTS:
@@ -93,13 +86,7 @@ class HybridPlacementConfig:
     @classmethod
     def from_additional_config(cls, additional_config: Mapping | None) -> HybridPlacementConfig:
         """Read ``additional_config["feather_hybrid"]``; unknown keys raise ``ValueError``."""
-        section = dict((additional_config or {}).get(ADDITIONAL_CONFIG_KEY) or {})
-        valid = {f.name for f in fields(cls)}
-        unknown = sorted(set(section) - valid)
-        if unknown:
-            raise ValueError(f"unknown additional_config['{ADDITIONAL_CONFIG_KEY}'] keys {unknown}; "
-                             f"valid keys: {sorted(valid)}")
-        return cls(**section)
+        return cls(**config_section(cls, additional_config, ADDITIONAL_CONFIG_KEY))
 
 
 class HybridPlacementMixin:
@@ -126,8 +113,7 @@ class HybridPlacementMixin:
         self.max_states = (None if config.state_budget_bytes is None
                            else config.state_budget_bytes // self.state_pool_bytes)
         self.states = StateRegistry(self.max_states)              # vLLM block hash -> position (blocks)
-        self.placement = RootedPlacement(config.horizon_blocks, config.checkpoints, decay=config.decay,
-                                         resolve_every=config.resolve_every)
+        self.placement = config.rooted_placement()
         self.evicted_states = 0
         self._observed: set[str] = set()                          # requests whose depth the estimator has
         if config.placement == "dp":

@@ -31,7 +31,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from deploy.vllm_compat import require_supported_vllm
 
@@ -43,6 +43,7 @@ from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 
 from cache_core.cht import ChunkedHashTree  # noqa: E402
 from deploy.admission import Admission, FCFSAdmission, PolicyAdmission  # noqa: E402
+from deploy.plugin_config import config_section  # noqa: E402
 from feather_gym.policies import DEFAULT_MAX_WAIT_S  # noqa: E402
 from deploy.waiting_queue import CHTWaitingQueue  # noqa: E402
 
@@ -79,12 +80,7 @@ class FeatherConfig:
 
         Unknown keys raise ``ValueError`` listing the valid ones.
         """
-        section = dict((additional_config or {}).get(ADDITIONAL_CONFIG_KEY) or {})
-        valid = {f.name for f in fields(cls)}
-        unknown = sorted(set(section) - valid)
-        if unknown:
-            raise ValueError(f"unknown additional_config['{ADDITIONAL_CONFIG_KEY}'] keys {unknown}; "
-                             f"valid keys: {sorted(valid)}")
+        section = config_section(cls, additional_config, ADDITIONAL_CONFIG_KEY)
         section.setdefault("policy", environ.get(POLICY_ENV))
         return cls(**section)
 

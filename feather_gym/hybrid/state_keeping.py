@@ -32,24 +32,21 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from cache_core.rooted_placement import RootedPlacement
+from cache_core.rooted_placement import FamilyPlacementSettings
 from cache_core.state_registry import StateRegistry
 
 PLACEMENTS = ("vllm", "dp", "grid")
 
 
 @dataclass(frozen=True)
-class HybridSimConfig:
-    """The hybrid mode of the simulator (see the module docstring)."""
+class HybridSimConfig(FamilyPlacementSettings):
+    """The hybrid mode of the simulator (see the module docstring); the ``dp`` placement's
+    settings are the plug-in's (:class:`~cache_core.rooted_placement.FamilyPlacementSettings`)."""
 
     placement: str = "vllm"
     max_states: int = 32
     state_blocks: int = 3
     grid_blocks: int = 1
-    checkpoints: int = 8
-    horizon_blocks: int = 64
-    decay: float = 0.999
-    resolve_every: int = 1
 
     def __post_init__(self) -> None:
         if self.placement not in PLACEMENTS:
@@ -70,8 +67,7 @@ class StateKeeper:
     def __init__(self, config: HybridSimConfig, block_size: int) -> None:
         self.config, self.block_size = config, block_size
         self.registry = StateRegistry(config.max_states)
-        self.placement = RootedPlacement(config.horizon_blocks, config.checkpoints, decay=config.decay,
-                                         resolve_every=config.resolve_every)
+        self.placement = config.rooted_placement()
         self._junction: dict[int, int] = {}
         self._observed: set[int] = set()
         self.evicted = 0
