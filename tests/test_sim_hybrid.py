@@ -120,3 +120,18 @@ def test_rooted_placement_learns_one_placement_per_prefix_family():
     assert placement.chosen("unseen") == frozenset() and placement.all_chosen() == {4, 9}
     placement.observe("doc-c", 3)                                 # a third family forgets the oldest
     assert len(placement) == 2 and placement.chosen("doc-a") == frozenset()
+
+
+def test_sim_compare_runs_a_hybrid_model_under_each_placement(capsys):
+    import json
+
+    from feather_gym.cli import main
+
+    workload = "long-doc-qa:num_requests=12,doc_tokens_min=600,doc_tokens_max=1500,questions_min=3,questions_max=4"
+    assert main(["sim", "compare", "--workload", workload, "--policies", "fcfs", "--model", "tiny",
+                 "--placements", "vllm,dp", "--max-states", "4", "--kv-tokens", "200000", "--json"]) == 0
+    out = capsys.readouterr().out
+    report = json.loads(out.strip().splitlines()[-1])
+    assert set(report["policies"]) == {"fcfs@vllm", "fcfs@dp"}
+    assert all(m["peak_states"] <= 4 and m["cached_prompt_tokens"] > 0 for m in report["policies"].values())
+    assert "1 attention + 3 GDN layers" in out
