@@ -4,7 +4,8 @@
 [--replay-tokens 16,32,64,128,256] [--continuation-tokens 64] [--samples 4] [--needles 8]
 [--time-prefix-tokens 4096,16384,32768] [--anchor-dtype bfloat16] [--threads N] [--seed 0] [--json]``
 
-On windows of the corpus's held-out tail (text the model was not trained on), float32:
+On windows of the corpus's held-out tail (text the model was not trained on), float32 model;
+anchors are stored and read back in ``--anchor-dtype`` (bfloat16 by default) before replay:
 
 * (a) ``quality``: relative Frobenius error of every GDN layer's recurrent (and conv) state
   rebuilt at the page boundary ``p`` (= the prefix length) against the exact one, by method,
@@ -18,7 +19,8 @@ On windows of the corpus's held-out tail (text the model was not trained on), fl
   it), for the exact states and the replayed ones side by side, with the per-digit accuracy and
   mean log-probability of the true digits (nats);
 * (c) ``storage``: bytes per cached token of the anchors against exact checkpoints every 8,192
-  tokens and every 256-token block (:class:`cache_core.hybrid_layout.HybridCacheLayout`);
+  tokens and every 256-token block (:class:`cache_core.hybrid_layout.HybridCacheLayout`); the
+  DP placement at equal bytes is not compared here yet;
 * (d) ``timing``: wall time to rebuild every GDN state by replay against recomputing the
   prefix (a full forward; the KV hit is not credited to it).
 
@@ -29,6 +31,7 @@ layers below the lowest one start from the suffix's token embeddings, which cost
 since the token ids are known; the layers in between are replayed through the decoder layers)
 and ``suffix`` (no anchors: the last ``R`` tokens recomputed through the whole model from their
 embeddings). In both, attention layers crossed by the replay attend over the suffix only.
+``zero`` (every GDN state zero, R = 0) is the floor: how much the states matter at all.
 ``--json`` prints one object on the last line.
 """
 
@@ -54,7 +57,8 @@ def register(commands) -> None:
     ev.add_argument("--needles", type=int, default=8, help="needles per placement (default 8; 0 skips)")
     ev.add_argument("--time-prefix-tokens", default="4096,16384,32768",
                     help="prefix lengths whose recomputation is timed ('' skips)")
-    ev.add_argument("--anchor-dtype", default="bfloat16", help="anchor store dtype for the storage figures")
+    ev.add_argument("--anchor-dtype", default="bfloat16",
+                    help="anchor store dtype: the anchors replayed and the bytes counted (default bfloat16)")
     ev.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ev.add_argument("--seed", type=int, default=0)
     ev.add_argument("--json", action="store_true", help="print one JSON object on the last line")
@@ -113,7 +117,7 @@ def evaluate(model_kind: str, *, page: int, prefixes: list[int], replay_tokens: 
     gdn = sorted(sr.gdn_modules(model))
     layer_anchored = [g for g in gdn if g > 0 and config.layer_types[g - 1] == "full_attention"]
     rng = np.random.default_rng(seed)
-    methods = _methods(sr, gdn, layer_anchored, config.linear_conv_kernel_dim)
+    methods = _methods(sr, gdn, layer_anchored, config.linear_conv_kernel_dim, anchor_dtype, page)
 
     quality, last_run = [], None
     for p in prefixes:
@@ -161,14 +165,14 @@ def evaluate(model_kind: str, *, page: int, prefixes: list[int], replay_tokens: 
                "checkpoint_every_8192_bytes_per_token": layout.state_bytes / 8192,
                "checkpoint_every_256_bytes_per_token": layout.state_bytes / 256,
                "rows": []}
-    for method in methods:
-        for r in replay_tokens:
+    for method, spec in methods.items():
+        for r in spec.get("replay_tokens", replay_tokens):
             per_token = len(methods[method]["anchored"](r)) * r * config.hidden_size * anchor_bytes / page
             storage["rows"].append({"method": method, "replay_tokens": r, "anchor_bytes_per_token": per_token,
                                     "vs_checkpoint_8192": per_token / storage["checkpoint_every_8192_bytes_per_token"],
                                     "vs_checkpoint_256": per_token / storage["checkpoint_every_256_bytes_per_token"]})
 
-    report = {"model": str(model.name_or_path), "dtype": "float32", "page_tokens": page,
+    report = {"model": str(model.name_or_path), "dtype": "float32", "anchor_dtype": anchor_dtype, "page_tokens": page,
               "gdn_layers": gdn, "layerwise_anchored_layers": layer_anchored,
               "continuation_tokens": continuation, "samples_per_prefix": samples,
               "torch_threads": torch.get_num_threads(), "quality": quality, "storage": storage,
@@ -182,34 +186,54 @@ def evaluate(model_kind: str, *, page: int, prefixes: list[int], replay_tokens: 
     return report
 
 
-def _methods(sr, gdn, layer_anchored, kernel) -> dict:
+def _methods(sr, gdn, layer_anchored, kernel, anchor_dtype: str, page: int) -> dict:
     """Method name -> ``{"replay": f(model, run, p, x, R) -> (states of every GDN layer, R per
-    anchored layer), "anchored": g(R) -> the layers that store anchors}``."""
+    anchored layer), "anchored": g(R) -> the layers that store anchors}`` (and ``"replay_tokens"``
+    where the method ignores ``--replay-tokens``). Anchors go through an :class:`AnchorStore` in
+    ``anchor_dtype`` (put under the page digest of ``x[0:p]``, then read back), so the quality
+    measured is that of the stored anchors."""
+    import torch
+
+    from cache_core.anchor_store import AnchorStore
+
+    def stored(anchors, p, x):
+        sizes = {layer: a.shape[0] for layer, a in anchors.items()}
+        store = AnchorStore(sum(sizes.values()) * next(iter(anchors.values())).shape[1] * 4,
+                            hidden_size=next(iter(anchors.values())).shape[1], replay_tokens=sizes,
+                            page_tokens=page, dtype=anchor_dtype)
+        key = store.keys_for(x[:p])[-1]
+        store.put(key, anchors)
+        return {layer: a.to(torch.float32) for layer, a in store.get(key).items()}
+
     def uniform(model, run, p, x, r):
-        return sr.replay_states(model, run.anchors(p, r)), dict.fromkeys(gdn, r)
+        return sr.replay_states(model, stored(run.anchors(p, r), p, x)), dict.fromkeys(gdn, r)
 
     def decay(model, run, p, x, r):
         weights = sr.memory_lengths(model, {g: run.gdn_inputs[g][:p] for g in gdn})
         per_layer = sr.allocate_replay_tokens(r * len(gdn), weights, minimum=min(kernel, r), maximum=p)
-        return sr.replay_states(model, run.anchors(p, per_layer)), per_layer
+        return sr.replay_states(model, stored(run.anchors(p, per_layer), p, x)), per_layer
 
     def layerwise(model, run, p, x, r):
-        anchors = run.anchors(p, r, residual=True, layers=layer_anchored)
+        anchors = stored(run.anchors(p, r, residual=True, layers=layer_anchored), p, x) if layer_anchored else {}
         return sr.replay_layerwise(model, anchors, p, suffix_tokens=x[p - r:p]), dict.fromkeys(layer_anchored, r)
 
     def suffix(model, run, p, x, r):
         return sr.replay_layerwise(model, {}, p, suffix_tokens=x[p - r:p]), {}
 
+    def zero(model, run, p, x, r):
+        return {g: sr.GDNState(*map(torch.zeros_like, s)) for g, s in run.states[p].items()}, {}
+
     return {"uniform": {"replay": uniform, "anchored": lambda r: gdn},
             "decay": {"replay": decay, "anchored": lambda r: gdn},
             "layerwise": {"replay": layerwise, "anchored": lambda r: layer_anchored},
-            "suffix": {"replay": suffix, "anchored": lambda r: []}}
+            "suffix": {"replay": suffix, "anchored": lambda r: []},
+            "zero": {"replay": zero, "anchored": lambda r: [], "replay_tokens": [0]}}
 
 
 def _replayed(model, run, p, x, replay_tokens, methods) -> dict:
     """(method, R) -> (rebuilt states of every GDN layer, R per anchored layer), for R <= p."""
     return {(name, r): spec["replay"](model, run, p, x, r) for name, spec in methods.items()
-            for r in replay_tokens if r <= p}
+            for r in spec.get("replay_tokens", replay_tokens) if r <= p}
 
 
 def _kl(exact, approx) -> float:
@@ -276,7 +300,8 @@ def _timing(sr, model, tail, run, p, replay_tokens, time_prefixes, methods) -> d
     x = run.token_ids.numpy()
     rebuild = [{"method": name, "replay_tokens": r,
                 "rebuild_s": sr.timed(spec["replay"], model, run, p, x, r, repeats=5)[0]}
-               for name, spec in methods.items() if name != "decay" for r in replay_tokens if r <= p]
+               for name, spec in methods.items() if name in ("uniform", "layerwise", "suffix")
+               for r in replay_tokens if r <= p]
     prefill = []
     with torch.no_grad():
         model(torch.as_tensor(tail[:256])[None], logits_to_keep=1)   # warm-up
@@ -289,7 +314,8 @@ def _timing(sr, model, tail, run, p, replay_tokens, time_prefixes, methods) -> d
                             "speedup_by_replay_tokens": {str(row["replay_tokens"]): seconds / row["rebuild_s"]
                                                          for row in rebuild if row["method"] == "uniform"}})
     return {"rebuild": rebuild, "prefix_recompute": prefill,
-            "note": "rebuild excludes anchor transfer; recompute is a full forward (no KV credited)",
+            "note": "rebuild includes an anchor-store put and get (dtype round trip), no device transfer; "
+                    "recompute is a full forward over the prefix (its KV hit not credited)",
             "median_of": 5, "rebuild_at_prefix_tokens": p}
 
 
