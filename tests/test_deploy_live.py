@@ -130,7 +130,7 @@ def test_float32_outputs_are_token_identical_to_vllms_scheduler(llm, trace, file
     assert [len(default_round.outputs[r.request_id]) for r in trace] == [r.output_len for r in trace]
     assert feather.outputs == default_round.outputs
     assert default_round.cached_tokens > 0 and feather.cached_tokens > 0       # prefixes were shared
-    stats = feather.admission
+    stats = feather.scheduler_stats
     assert stats["admission"] == "PolicyAdmission" and stats["decisions"] > 0 and stats["fallbacks"] == 0
 
 
@@ -138,14 +138,14 @@ def test_float32_outputs_are_token_identical_to_vllms_scheduler(llm, trace, file
 def test_nan_policy_at_run_time_falls_back_and_keeps_serving(llm, trace, files, default_round):
     feather = feather_round(llm, trace, 2, policy=str(files["nan"]))
     assert feather.outputs == default_round.outputs
-    assert feather.admission["fallbacks"] > 0 and feather.admission["decisions"] == 0
+    assert feather.scheduler_stats["fallbacks"] > 0 and feather.scheduler_stats["decisions"] == 0
 
 
 @slow
 def test_waiting_time_bound_overrides_an_always_stop_policy(llm, trace, files, default_round):
     feather = feather_round(llm, trace, 3, policy=str(files["stop"]), max_wait_s=0.0)
     assert feather.outputs == default_round.outputs                             # nobody lost or starved
-    assert feather.admission["forced_wait"] > 0 and feather.admission["stops"] == 0
+    assert feather.scheduler_stats["forced_wait"] > 0 and feather.scheduler_stats["stops"] == 0
 
 
 @slow
@@ -156,7 +156,7 @@ def test_missing_policy_refuses_to_start_or_falls_back_to_fcfs(llm, trace, files
     with pytest.raises(PolicyStartupError, match="refuses to start: policy file .*missing.onnx does not exist"):
         install_scheduler(llm, FeatherScheduler, feather_config=FeatherConfig(policy=str(files["missing"])))
     fcfs = feather_round(llm, trace, 4, policy=str(files["missing"]), on_policy_error="fcfs")
-    assert fcfs.admission == {"admission": "FCFSAdmission"}
+    assert fcfs.scheduler_stats == {"admission": "FCFSAdmission"}
     assert fcfs.outputs == default_round.outputs
 
 
@@ -169,7 +169,7 @@ def test_async_scheduler_variant_serves_identically_under_synchronous_stepping(l
     result = run_round(llm, trace, FeatherAsyncScheduler, label="feather-async", round_index=5,
                        feather_config=FeatherConfig(policy=str(files["add"])))
     assert result.outputs == default_round.outputs
-    assert result.admission["admission"] == "PolicyAdmission" and result.admission["fallbacks"] == 0
+    assert result.scheduler_stats["admission"] == "PolicyAdmission" and result.scheduler_stats["fallbacks"] == 0
 
 
 @slow
@@ -207,7 +207,7 @@ def test_always_stop_policy_with_a_waiting_bound_stops_and_loses_nothing(llm, tr
     feather = feather_round(llm, trace, 6, policy=str(files["stop"]), max_wait_s=1.0)
     assert feather.lost == 0 and feather.finished == len(trace)
     assert [len(feather.outputs[r.request_id]) for r in trace] == [r.output_len for r in trace]
-    stats = feather.admission
+    stats = feather.scheduler_stats
     assert stats["stops"] > 0 and stats["adds"] == 0
     assert stats["forced_idle"] > 0 and stats["forced_wait"] > 0                    # what admitted them
 
@@ -262,7 +262,7 @@ def test_run_schedulers_compares_any_number_of_sides(llm, trace, files):
         assert summary["requests_finished"] == 2 * len(trace) and summary["requests_lost"] == 0
         assert summary["cached_prompt_tokens"] > 0
         assert 0 < summary["ttft_p50_s"] <= summary["ttft_p99_s"] <= max(per_round["wall_s"])
-        assert ("admission_last_round" in summary) == (label != "fcfs")
+        assert ("scheduler_stats_last_round" in summary) == (label != "fcfs")
     for label, ratio in result["ratios"].items():
         fcfs, side = result["sides"]["fcfs"]["per_round"], result["sides"][label]["per_round"]
         expected = [s / f for s, f in zip(side["output_tok_s"], fcfs["output_tok_s"])]
