@@ -149,7 +149,6 @@ def format_report(report: dict) -> str:
     """The frontier as text tables, one row per budget and one column per method: recomputed
     tokens per request (states used in brackets when under budget), then, when present, the
     recurrent-state MiB per shared prefix and the estimated time to first token."""
-    methods = report["methods"]
     lines = [
         f"workload {report['workload']}: {report['num_requests']} requests, "
         f"block {report['block_size_tokens']} tokens, "

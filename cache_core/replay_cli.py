@@ -294,7 +294,6 @@ def _needles(sr, model, tokenizer, tail, rng, *, page, count, replay_tokens, met
 def _timing(sr, model, tail, run, p, replay_tokens, time_prefixes, methods) -> dict:
     """Median wall seconds to rebuild every GDN state by each method (at boundary p of ``run``)
     and single-run seconds of a full forward over each prefix length (logits of the last token only)."""
-    import numpy as np
     import torch
 
     x = run.token_ids.numpy()

@@ -12,6 +12,7 @@ states are kept at all is the placement's choice, made before they reach the reg
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Hashable
 
 
 class StateRegistry:

@@ -67,7 +67,7 @@ def test_states_take_their_reserve_of_kv_capacity_and_stay_within_the_budget(cos
     config = EngineConfig(block_size=BS, kv_capacity_tokens=100 * BS, hybrid=hybrid)
     sim = Simulator(trace, cost_model, make_policy("fcfs").make_order(), config=config)
     assert sim.kv.capacity_blocks == 100 - 4 * 3
-    while (point := sim.next_admission()) is not None:
+    while sim.next_admission() is not None:
         sim.apply(1)
         assert len(sim.states.registry) <= 4
     metrics = sim.result().metrics()
