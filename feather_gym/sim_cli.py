@@ -32,7 +32,8 @@ def register(commands) -> None:
                          help="simulate only the first N requests of the trace (a truncated window)")
     compare.add_argument("--model", default=None, metavar="hybrid|tiny|DIR",
                          help="simulate a hybrid model's recurrent-state cache: its layout comes from the model's "
-                              "config (hybrid = the trained one; no weights needed); step times stay the profile's")
+                              "config (hybrid = the trained one; no weights needed); step times from --profile, "
+                              "by default the trained hybrid's measured vllm-cpu-hybrid")
     compare.add_argument("--placements", default="vllm,dp",
                          help="--model: recurrent-state placements to compare, comma-separated (vllm, dp, grid)")
     compare.add_argument("--max-states", type=int, default=32, help="--model: recurrent states kept at most")
@@ -74,6 +75,7 @@ def compare_policies(trace, cost_model, policy_names: list[str], config=None) ->
 def _compare(args) -> int:
     import traces
     from feather_gym.costmodel import hardware_profile, load_cost_model
+    from feather_gym.costmodel.model import HYBRID_CPU_PROFILE
 
     names = [n.strip() for n in args.policies.split(",") if n.strip()]
     if not names:
@@ -83,7 +85,8 @@ def _compare(args) -> int:
         if args.max_requests < 1:
             raise ValueError("--max-requests must be >= 1")
         trace = traces.Trace(trace.name, trace.requests[:args.max_requests], trace.source, trace.block_size)
-    cost_model = load_cost_model(args.profile or hardware_profile())
+    default_profile = hardware_profile() if args.model is None else HYBRID_CPU_PROFILE
+    cost_model = load_cost_model(args.profile or default_profile)
     if args.model is None:
         results = compare_policies(trace, cost_model, names)
     else:

@@ -29,8 +29,11 @@ PROFILE_DIR = Path(__file__).parent / "profiles"
 CPU_PROFILE = "vllm-cpu"
 #: Analytic GPU profiles, picked by the visible GPU's name.
 GPU_PROFILES = ("h100", "h200", "a100", "rtx6000-ada")
-#: Profiles shipped in ``profiles/``: "vllm-cpu" and "cpu" (torch backend) measured here, the GPUs' analytic.
-SHIPPED_PROFILES = (CPU_PROFILE, "cpu") + GPU_PROFILES
+#: The vLLM CPU engine serving the trained hybrid model (``feather sim compare --model hybrid``'s default).
+HYBRID_CPU_PROFILE = "vllm-cpu-hybrid"
+#: Profiles shipped in ``profiles/``: "vllm-cpu", "cpu" (torch backend) and the hybrid's measured here,
+#: the GPUs' analytic.
+SHIPPED_PROFILES = (CPU_PROFILE, "cpu", HYBRID_CPU_PROFILE) + GPU_PROFILES
 _EMPTY = DecodeBatch(0, 0, 0, 0)
 
 

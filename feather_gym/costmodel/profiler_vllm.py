@@ -49,7 +49,7 @@ from __future__ import annotations
 import os
 import platform
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from functools import partial
 from typing import Callable, NamedTuple
@@ -415,6 +415,42 @@ def _mixed_rows(point: MixedPoint, per_chunk: list, others_cores: float) -> list
             for chunk, samples in zip(point.chunks, per_chunk)]
 
 
+def _smollm2(device: str) -> tuple[None, str]:
+    return None, "bfloat16" if device == "cuda" else "float32"      # None: start_engine's default model
+
+
+def _hybrid(device: str) -> tuple[str, str]:
+    from feather_gym.hybrid.model import ensure_hybrid_hf
+
+    return str(ensure_hybrid_hf("trained")), "bfloat16"             # vLLM's CPU Gated DeltaNet needs bf16
+
+
+#: Models the vLLM profiler serves: preset name -> (device -> (model folder or None, dtype)).
+VLLM_MODELS = {"smollm2-135m": _smollm2, "qwen3next-hybrid-8l": _hybrid}
+
+
+def aligned_to_blocks(block_size: int, decode: list[DecodePoint], prefill: list[PrefillPoint],
+                      mixed: list[MixedPoint]) -> tuple[list, list, list]:
+    """The grids for an engine with ``block_size``-token blocks in Mamba align mode (a hybrid model).
+
+    Cached and shared prefixes are rounded up to whole blocks. A prefill chunk is cut to one
+    block at most: align mode ends a chunk at the prompt's last block boundary, so a longer
+    prompt is prefilled in two steps and could not be timed as one controlled step. Steps of
+    several requests hitting one cached prefix are dropped: each re-registers the state it hit,
+    and vLLM then holds the others back a step.
+    """
+    def up(tokens: int) -> int:
+        return -(-tokens // block_size) * block_size
+
+    def chunk(point: PrefillPoint) -> PrefillPoint:
+        return point._replace(new_tokens=min(point.new_tokens, block_size), cached_tokens=up(point.cached_tokens))
+
+    decode = [replace(p, shared_prefix_tokens=up(p.shared_prefix_tokens)) for p in decode]
+    prefill = [p for p in prefill if p.requests == 1 or not p.cached_tokens]
+    return (list(dict.fromkeys(decode)), list(dict.fromkeys(chunk(p) for p in prefill)),
+            [MixedPoint(replace(m.decode), tuple(dict.fromkeys(chunk(c) for c in m.chunks))) for m in mixed])
+
+
 def run_vllm_profile(model: str = "smollm2-135m", device: str = "cpu", *, quick: bool = False,
                      repeats: int | None = None, name: str | None = None, threads: int = 1,
                      progress: Callable[[str], None] | None = None,
@@ -424,8 +460,9 @@ def run_vllm_profile(model: str = "smollm2-135m", device: str = "cpu", *, quick:
     """Profile the vLLM engine; returns a ``feather-profile/1`` dict. ``repeats`` is the number
     of timed steps per decode point (default 5 quick, 8 full); prefill points and mixed chunks
     repeat :func:`prefill_repeats` times. ``threads`` torch threads (see the module)."""
-    if model != "smollm2-135m":
-        raise ValueError(f"--backend vllm profiles smollm2-135m (the model available offline), not {model!r}")
+    if model not in VLLM_MODELS:
+        raise ValueError(f"--backend vllm profiles {' or '.join(VLLM_MODELS)} (the models available offline), "
+                         f"not {model!r}")
     if threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
     import torch
@@ -434,12 +471,17 @@ def run_vllm_profile(model: str = "smollm2-135m", device: str = "cpu", *, quick:
     from feather_gym.vllm_engine import ENGINE_ENV, start_engine
 
     started = time.perf_counter()
-    dtype = "bfloat16" if device == "cuda" else "float32"
-    llm = start_engine(dtype=dtype, max_model_len=MAX_MODEL_LEN, threads=threads)
+    model_dir, dtype = VLLM_MODELS[model](device)
+    llm = start_engine(model_dir, dtype=dtype, max_model_len=MAX_MODEL_LEN, threads=threads)
     threads = torch.get_num_threads()  # an engine started earlier in this process keeps its own
     clock = time.thread_time if device == "cpu" and threads == 1 else time.perf_counter
     limits = EngineLimits.of(llm)
     repeats = repeats or (5 if quick else 8)
+    if limits.block_size != 128:                 # a hybrid model's engine (see aligned_to_blocks)
+        decode_points, prefill_points, mixed_points = aligned_to_blocks(
+            limits.block_size, vllm_decode_grid(quick) if decode_points is None else decode_points,
+            vllm_prefill_grid(quick) if prefill_points is None else prefill_points,
+            vllm_mixed_grid(quick) if mixed_points is None else mixed_points)
     decode_points = vllm_decode_grid(quick) if decode_points is None else decode_points
     prefill_points = vllm_prefill_grid(quick) if prefill_points is None else prefill_points
     mixed_points = vllm_mixed_grid(quick) if mixed_points is None else mixed_points

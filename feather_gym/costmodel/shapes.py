@@ -98,6 +98,11 @@ MODEL_PRESETS: dict[str, ModelShape] = {
                    intermediate=14336, vocab=128256),
         ModelShape("qwen3-4b", layers=36, hidden=2560, heads=32, kv_heads=8, head_dim=128,
                    intermediate=9728, vocab=151936),
+        # the trained hybrid (feather_gym.hybrid.model) as the cost model sees it: its 2 attention
+        # layers, the only ones holding KV; its 6 Gated DeltaNet layers cost a fixed amount per
+        # token, which the fitted per-token terms absorb. intermediate: 2 active experts + the shared one.
+        ModelShape("qwen3next-hybrid-8l", layers=2, hidden=256, heads=4, kv_heads=2, head_dim=64,
+                   intermediate=768, vocab=49152),
     )
 }
 
