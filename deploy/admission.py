@@ -90,12 +90,15 @@ class PolicyAdmission(Admission):
     ``policy`` is a deployable :class:`feather_gym.policies.Policy`. ``num_running`` and
     ``kv_usage`` read the scheduler live (requests running including those admitted this step;
     fraction of KV blocks in use); ``max_num_seqs`` is the scheduler's running limit. ``clock``
-    is the clock of vLLM's ``request.arrival_time`` (wall time).
+    is the clock of vLLM's ``request.arrival_time`` (wall time). ``resumable(request,
+    shared_blocks)`` says how many of a waiting request's first ``shared_blocks`` blocks a hit
+    can resume (a hybrid engine's deepest kept state); ``None``, a dense engine: all of them.
     """
 
     def __init__(self, policy, *, num_running: Callable[[], int], kv_usage: Callable[[], float],
                  max_num_seqs: int, max_wait_s: float = DEFAULT_MAX_WAIT_S,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time,
+                 resumable: Callable[[object, int], int] | None = None) -> None:
         if not max_wait_s >= 0:
             raise ValueError(f"max_wait_s must be >= 0, got {max_wait_s}")
         self.policy = policy
@@ -105,6 +108,7 @@ class PolicyAdmission(Admission):
         self._num_running = num_running
         self._kv_usage = kv_usage
         self._clock = clock
+        self._resumable = resumable
         self._fcfs_this_step = False
         self._step = 0
         self._queue = None
@@ -138,7 +142,9 @@ class PolicyAdmission(Admission):
         return self._queue.waiting_request(request_id).num_tokens
 
     def resumable_blocks(self, request_id, shared_blocks: int) -> int:
-        return shared_blocks        # a dense model's view (see the notes of deploy.hybrid_placement)
+        if self._resumable is None:
+            return shared_blocks
+        return self._resumable(self._queue.waiting_request(request_id), shared_blocks)
 
     # --- decisions ----------------------------------------------------------------------------
     def next_admission(self, queue):

@@ -40,6 +40,9 @@ What :class:`HybridPlacementMixin` changes (attention KV, budgets and outputs st
   stay vLLM's.
 
 Configuration: ``additional_config["feather_hybrid"]``, keys of :class:`HybridPlacementConfig`.
+:class:`FeatherHybridScheduler` composes the Feather scheduler with this plug-in: its policy's
+view counts a shared block as cached only up to the deepest kept state
+(:meth:`HybridPlacementMixin.resumable_blocks`), as the simulator's hybrid mode does.
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ from vllm.v1.kv_cache_interface import MambaSpec  # noqa: E402
 from cache_core.rooted_placement import FamilyPlacementSettings  # noqa: E402
 from cache_core.state_registry import StateRegistry  # noqa: E402
 from deploy.plugin_config import config_section  # noqa: E402
+from deploy.scheduler import FeatherSchedulingMixin  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -226,6 +230,11 @@ class HybridPlacementMixin:
             self.kv_cache_manager.evict_blocks({b.block_id for h in victims for b in self._live(h)})
             self.evicted_states += len(victims)
 
+    def resumable_blocks(self, request, shared_blocks: int) -> int:
+        """Of ``request``'s first ``shared_blocks`` blocks, those a hit can resume now: up to the
+        deepest kept state (the view a Feather policy reads on a hybrid engine)."""
+        return self.states.deepest(request.block_hashes, shared_blocks)
+
     def feather_stats(self) -> dict:
         """Kept states (now and at the peak, after each step's budget), their bytes, the
         current placement and the DP's solves."""
@@ -242,3 +251,12 @@ class HybridPlacementMixin:
 
 class HybridPlacementScheduler(HybridPlacementMixin, Scheduler):
     """Hybrid checkpoint placement on vLLM's synchronous scheduler (the CPU platform)."""
+
+
+class FeatherHybridScheduler(FeatherSchedulingMixin, HybridPlacementMixin, Scheduler):
+    """The Feather scheduler on a hybrid engine, with the placement plug-in: its policy sees
+    only the shared blocks a hit can resume (``additional_config`` keys ``feather`` and
+    ``feather_hybrid``)."""
+
+    def feather_stats(self) -> dict:
+        return {**FeatherSchedulingMixin.feather_stats(self), **HybridPlacementMixin.feather_stats(self)}

@@ -103,7 +103,7 @@ def load_deployable_policy(spec: str, *, device: str = "cpu"):
 
 
 def build_admission(config: FeatherConfig, *, num_running: Callable[[], int], kv_usage: Callable[[], float],
-                    max_num_seqs: int) -> Admission:
+                    max_num_seqs: int, resumable: Callable[[object, int], int] | None = None) -> Admission:
     """The admission for ``config``: the policy's, or FCFS when the policy is unusable and allowed.
 
     Raises :class:`PolicyStartupError` (naming the policy and the cause) when the policy is
@@ -124,14 +124,16 @@ def build_admission(config: FeatherConfig, *, num_running: Callable[[], int], kv
         logger.info("Feather policy %s loaded (%s, trained on %s / %s)", config.policy, runtime.provider,
                     runtime.metadata.get("feather.profile"), runtime.metadata.get("feather.workload"))
     return PolicyAdmission(policy, num_running=num_running, kv_usage=kv_usage, max_num_seqs=max_num_seqs,
-                           max_wait_s=config.max_wait_s)
+                           max_wait_s=config.max_wait_s, resumable=resumable)
 
 
 class FeatherSchedulingMixin:
     """The Feather changes to a vLLM v1 scheduler class (see the module docstring).
 
     ``feather_config`` is for in-process construction (tests, benchmarks); vLLM itself never
-    passes it, so engines read :class:`FeatherConfig` from ``additional_config``.
+    passes it, so engines read :class:`FeatherConfig` from ``additional_config``. On a hybrid
+    engine (composed with :class:`deploy.hybrid_placement.HybridPlacementMixin`) the policy's
+    view counts only resumable shared blocks, through the mixin's ``resumable_blocks``.
     """
 
     def __init__(self, *args, feather_config: FeatherConfig | None = None, **kwargs) -> None:
@@ -149,7 +151,8 @@ class FeatherSchedulingMixin:
         self.waiting = CHTWaitingQueue(ChunkedHashTree(chunk_size=self.hash_block_size))
         self.admission = build_admission(config, num_running=lambda: len(self.running),
                                          kv_usage=lambda: self.kv_cache_manager.usage,
-                                         max_num_seqs=self.max_num_running_reqs)
+                                         max_num_seqs=self.max_num_running_reqs,
+                                         resumable=getattr(self, "resumable_blocks", None))
 
     def schedule(self, throttle_prefills: bool = False):
         with self.waiting.admitting(self.admission):

@@ -271,3 +271,32 @@ def test_cli_bench_policy_and_serve_bench_errors(files, capsys):
     assert 0 < report["decide_us_p50"] <= report["decide_us_p99"] and report["decision_us_p50"] > 0
     assert main(["serve", "bench", "--policy", str(files["old_version"])]) == 2     # refused before any engine
     assert "feather-obs-0" in capsys.readouterr().err
+
+
+def test_a_hybrid_engines_view_counts_only_resumable_shared_blocks(files):
+    from feather_gym.observation import FEATURE_INDEX
+
+    running = Running()
+    seen = []
+
+    class Recording:
+        name = "recording"
+
+        def make_order(self):
+            from feather_gym.orderings import CHTOrder
+            return CHTOrder()
+
+        def decide(self, point):
+            seen.append(point.raw[FEATURE_INDEX["candidate_cached_fraction"]])
+            return 1
+
+    for resumable in (None, lambda request, shared: min(shared, 1)):   # dense; a state kept at block 1
+        queue, _ = make_queue({"a": (1, 2, 3, 4), "b": (1, 2, 3, 9)})
+        admission = PolicyAdmission(Recording(), num_running=running, kv_usage=lambda: 0.0, max_num_seqs=8,
+                                    resumable=resumable)
+        running.n = 0
+        with queue.admitting(admission):
+            assert admit(queue) == "a"
+            running.n = 1
+            assert admit(queue) == "b"
+    assert seen == [pytest.approx(3 / 4), pytest.approx(1 / 4)]

@@ -93,14 +93,6 @@ def test_dp_placement_serves_with_hits_within_its_budget_and_outputs_match_vllms
 
 
 @slow
-def test_vllm_and_transformers_agree_on_greedy_tokens(model_dir):
-    from feather_gym.hybrid.agreement import compare_greedy
-
-    report = compare_greedy(model_dir, num_prompts=4, max_tokens=256, max_new_tokens=8)
-    assert report["first_token_agreement"] >= 0.75, report
-
-
-@slow
 def test_hybrid_build_reports_the_training_and_the_layout(capsys):
     import json
     import math
@@ -112,3 +104,32 @@ def test_hybrid_build_reports_the_training_and_the_layout(capsys):
     assert report["steps"] > 0 and math.isfinite(report["heldout_perplexity"]) and report["heldout_tokens"] > 0
     assert report["layout"]["linear_layers"] == 3 and report["layout"]["attention_layers"] == 1
     assert report["corpus"] in ("war_and_peace.txt", "Isaac.Newton-Opticks.txt")
+
+
+@slow
+def test_the_feather_scheduler_composes_with_the_placement_plugin(llm, trace):
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from deploy.hybrid_placement import FeatherHybridScheduler, HybridPlacementConfig
+    from deploy.scheduler import FeatherConfig
+    from deploy.serve_bench import run_schedulers
+
+    sides = {"vllm": (Scheduler, {}),
+             "feather-hybrid": (FeatherHybridScheduler, {"feather_config": FeatherConfig(policy="feather-rule"),
+                                                         "hybrid_config": HybridPlacementConfig(resolve_every=2)})}
+    result = run_schedulers(llm, trace, sides, rounds=1, online=True)
+    side = result["sides"]["feather-hybrid"]
+    stats = side["scheduler_stats_last_round"]
+    assert side["requests_lost"] == 0 and side["cached_prompt_tokens"] > 0
+    assert stats["admission"] == "PolicyAdmission" and stats["placement"] == "dp" and stats["dp_solves"] > 0
+    assert result["identical_outputs"] == len(trace)
+
+
+@slow
+def test_vllm_and_transformers_agree_on_greedy_tokens(model_dir):
+    # Last in the module: the second engine it starts tears vLLM's process-wide parallel state down
+    # when it is freed, which the module's engine still needs.
+    from feather_gym.hybrid.agreement import compare_greedy
+
+    report = compare_greedy(model_dir, num_prompts=4, max_tokens=256, max_new_tokens=8)
+    assert report["first_token_agreement"] >= 0.75, report
