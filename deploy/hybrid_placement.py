@@ -35,9 +35,9 @@ What :class:`HybridPlacementMixin` changes (attention KV, budgets and outputs st
 * ``placement="vllm"``: vLLM's own positions.
 * Both: at most ``state_budget_bytes`` of kept states (``floor(budget / bytes per state)``
   states); over the cap the least recently kept or hit go first
-  (:class:`~cache_core.state_registry.StateRegistry`). Eviction only removes a state's hash (vLLM's ``evict_blocks``) in all GDN
-  groups at once, after ``schedule()`` returns: reference counts, free queue and block tables
-  stay vLLM's.
+  (:class:`~cache_core.state_registry.StateRegistry`). Eviction only removes a state's hash
+  (vLLM's ``evict_blocks``) in all GDN groups at once, after ``schedule()`` returns: reference
+  counts, free queue and block tables stay vLLM's.
 
 Configuration: ``additional_config["feather_hybrid"]``, keys of :class:`HybridPlacementConfig`.
 :class:`FeatherHybridScheduler` composes the Feather scheduler with this plug-in: its policy's
@@ -122,7 +122,7 @@ class HybridPlacementMixin:
         self._observed: set[str] = set()                          # requests whose depth the estimator has
         if config.placement == "dp":
             for manager in self._mamba.values():
-                self._keep_only_chosen(manager)
+                self._keep_dp_positions(manager)
         logger.info("hybrid placement %s: %s bytes per state (content %s), at most %s states",
                     config.placement, self.state_pool_bytes, self.state_content_bytes, self.max_states)
 
@@ -138,7 +138,7 @@ class HybridPlacementMixin:
         (empty: the family has none yet, and vLLM's own positions are kept)."""
         return self.placement.chosen(self.root(request))
 
-    def _keep_only_chosen(self, manager: MambaManager) -> None:
+    def _keep_dp_positions(self, manager: MambaManager) -> None:
         """Register the chunk-end states vLLM keeps plus those at the DP's positions for the
         request being cached (instance-level overrides: vLLM's mask has no request argument,
         so ``cache_blocks`` records it). vLLM's junctions are off where the DP decides."""
