@@ -101,7 +101,7 @@ def evaluate(model_kind: str, *, page: int, prefixes: list[int], replay_tokens: 
     from cache_core import suffix_replay as sr
     from cache_core.anchor_store import DTYPES
     from cache_core.hybrid_layout import HybridCacheLayout
-    from feather_gym.hybrid.model import TrainSettings
+    from feather_gym.hybrid.model import heldout_start
     from traces.text import corpus_token_ids
 
     if anchor_dtype not in DTYPES:
@@ -112,7 +112,7 @@ def evaluate(model_kind: str, *, page: int, prefixes: list[int], replay_tokens: 
     model = sr.load_model(model_kind)
     tokenizer = AutoTokenizer.from_pretrained(model.name_or_path)
     ids = corpus_token_ids(tokenizer)
-    tail = ids[int(ids.size * (1 - TrainSettings().heldout_fraction)):]
+    tail = ids[heldout_start(ids.size):]
     config = model.config
     gdn = sorted(sr.gdn_modules(model))
     layer_anchored = [g for g in gdn if g > 0 and config.layer_types[g - 1] == "full_attention"]

@@ -13,13 +13,14 @@ from __future__ import annotations
 import numpy as np
 
 
-def heldout_prompts(tokenizer, *, num_prompts: int, min_tokens: int, max_tokens: int, seed: int = 0,
-                    heldout_fraction: float = 0.05) -> list[list[int]]:
-    """``num_prompts`` windows of the corpus's last ``heldout_fraction``, lengths uniform in [min, max]."""
+def heldout_prompts(tokenizer, *, num_prompts: int, min_tokens: int, max_tokens: int,
+                    seed: int = 0) -> list[list[int]]:
+    """``num_prompts`` windows of the corpus's held-out tail, lengths uniform in [min, max]."""
+    from feather_gym.hybrid.model import heldout_start
     from traces.text import corpus_token_ids
 
     ids = corpus_token_ids(tokenizer)
-    tail = ids[int(ids.size * (1 - heldout_fraction)):]
+    tail = ids[heldout_start(ids.size):]
     rng = np.random.default_rng(seed)
     lengths = rng.integers(min_tokens, max_tokens + 1, num_prompts)
     if lengths.max() >= tail.size:

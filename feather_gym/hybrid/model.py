@@ -108,6 +108,12 @@ class TrainSettings:
     threads: int = 2
 
 
+def heldout_start(num_tokens: int, fraction: float = TrainSettings.heldout_fraction) -> int:
+    """Where the held-out tail of a ``num_tokens``-token corpus begins: its last ``fraction``,
+    which training never sees (perplexity, agreement and replay evaluations read it)."""
+    return int(num_tokens * (1 - fraction))
+
+
 #: The two models: the benchmarks' (8 layers, 6 GDN + 2 attention) and the tests' stand-in.
 SPECS = {
     "trained": (HybridSpec("qwen3next-hybrid-8l"), TrainSettings()),
@@ -145,7 +151,7 @@ def train_hybrid(spec: HybridSpec, settings: TrainSettings, target: Path, *, log
     ids = corpus_token_ids(tokenizer)
     vocab = np.unique(ids)                                  # compact vocabulary: tokens of the corpus
     compact = np.searchsorted(vocab, ids)
-    split = int(compact.size * (1 - settings.heldout_fraction))
+    split = heldout_start(compact.size, settings.heldout_fraction)
     train_ids, heldout_ids = compact[:split], compact[split:]
     model = Qwen3NextForCausalLM(spec.config(int(vocab.size)))
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=0.01, betas=(0.9, 0.95))
