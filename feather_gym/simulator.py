@@ -239,7 +239,7 @@ class Simulator:
         config = self.config = config.resolve(cost_model)
         bs = self.block_size = config.block_size
         self.kv = PrefixKVCache(config.kv_blocks)
-        self.states = StateKeeper(config.hybrid, bs) if config.hybrid else None
+        self.states = StateKeeper(config.hybrid) if config.hybrid else None
         self.cht = ChunkedHashTree(bs)
         requests = trace.requests
         n = len(requests)

@@ -64,8 +64,8 @@ class HybridSimConfig(FamilyPlacementSettings):
 class StateKeeper:
     """Kept states and the lookup rule of one simulated hybrid engine."""
 
-    def __init__(self, config: HybridSimConfig, block_size: int) -> None:
-        self.config, self.block_size = config, block_size
+    def __init__(self, config: HybridSimConfig) -> None:
+        self.config = config
         self.registry = StateRegistry(config.max_states)
         self.placement = config.rooted_placement()
         self._junction: dict[int, int] = {}
@@ -81,7 +81,7 @@ class StateKeeper:
         kept state at or below it. Records the depth (once per request) and vLLM's junction."""
         if request not in self._observed:
             self._observed.add(request)
-            self.placement.observe(chain[0] if chain else None, kv_hit_blocks)
+            self.placement.observe(_root(chain), kv_hit_blocks)
         resume = self.registry.deepest(chain, kv_hit_blocks)
         if resume:
             self.registry.touch(chain[resume - 1])
@@ -93,7 +93,7 @@ class StateKeeper:
         """The placement deciding for a prompt: ``dp`` falls back to vLLM's rule while its
         family's placement is empty."""
         placement = self.config.placement
-        if placement == "dp" and not self.placement.chosen(chain[0] if chain else None):
+        if placement == "dp" and not self.placement.chosen(_root(chain)):
             return "vllm"
         return placement
 
@@ -107,7 +107,7 @@ class StateKeeper:
     def prefilled(self, request: int, chain: list[int], from_blocks: int, to_blocks: int, last_boundary: int) -> None:
         """``request``'s prefill passed block boundaries ``from_blocks + 1 .. to_blocks``: keep the
         states the placement wants there (prompt boundaries only), then apply the budget."""
-        root, rule = (chain[0] if chain else None), self._rule(chain)
+        root, rule = _root(chain), self._rule(chain)
         for k in range(from_blocks + 1, min(to_blocks, last_boundary) + 1):
             if self._keeps(request, rule, root, k, last_boundary):
                 self.registry.keep(chain[k - 1], k)
@@ -121,3 +121,8 @@ class StateKeeper:
         return {"hybrid_placement": self.config.placement, "states_kept": len(self.registry),
                 "peak_states": self.registry.peak, "states_evicted": self.evicted,
                 "dp_solves": self.placement.num_solves}
+
+
+def _root(chain: list[int]):
+    """A prompt's prefix family: its first block's digest (None before a full block)."""
+    return chain[0] if chain else None
