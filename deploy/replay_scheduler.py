@@ -99,7 +99,7 @@ class SuffixReplayMixin:
         PLAN.rows = config.replay_tokens
         PLAN.clear_step()
         PLAN.take_captured()
-        PLAN.rebuilt_states = 0
+        PLAN.rebuilt_states, PLAN.rebuild_s = 0, 0.0
         self._rebuild_at: dict[str, tuple[int, dict]] = {}      # request id -> (boundary, anchors), this step
         self.replay_hits = 0
         self.replay_tokens_resumed = 0        # tokens a replay hit did not recompute beyond vLLM's state hit
@@ -181,7 +181,8 @@ class SuffixReplayMixin:
                 "anchor_budget_bytes": self.anchors.budget_bytes,
                 "anchor_bytes_per_page": self.anchors.entry_bytes, "anchor_evictions": self.anchors.evictions,
                 "replay_hits": self.replay_hits, "replay_tokens_resumed": self.replay_tokens_resumed,
-                "states_rebuilt": PLAN.rebuilt_states}
+                "states_rebuilt": PLAN.rebuilt_states,
+                "rebuild_ms_per_hit": 1e3 * PLAN.rebuild_s / self.replay_hits if self.replay_hits else None}
 
 
 class SuffixReplayScheduler(SuffixReplayMixin, HybridPlacementMixin, Scheduler):

@@ -347,7 +347,9 @@ def run_schedulers(llm, trace, sides: dict[str, tuple[type, dict]], *, rounds: i
     batch shape, and the sides batch differently: a side's first round measured 2.8x slower than
     its second); timed round ``i`` then runs the sides in :func:`rotated` order. Returns ``sides`` ({label: :func:`summarise`}), ``ratios`` ({label:
     :func:`ratio_stats` of its per-round throughput over the first side's, rounds paired by
-    index} for every other side), ``order`` and ``identical_outputs``.
+    index} for every other side), ``order``, ``identical_outputs`` (requests whose outputs are
+    the same in every round of every side) and ``identical_to_reference`` ({label: requests whose
+    last-round output equals the first side's}).
     """
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
@@ -377,6 +379,9 @@ def run_schedulers(llm, trace, sides: dict[str, tuple[type, dict]], *, rounds: i
         "ratios": {label: ratio_stats(np.array([r.output_tok_s for r in side]) / reference)
                    for label, side in results.items() if label != labels[0]},
         "identical_outputs": identical,
+        "identical_to_reference": {label: sum(side[-1].outputs.get(rid) == tokens
+                                              for rid, tokens in results[labels[0]][-1].outputs.items())
+                                   for label, side in results.items() if label != labels[0]},
     }
 
 
