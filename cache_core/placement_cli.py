@@ -9,7 +9,10 @@
   ``--model`` (the trained hybrid, or a model folder) adds the hybrid cache layout: state and
   KV bytes per method, the ``no_cache``/``kv_only`` baselines and the per-length DP;
   ``--prefill-profile`` (written by ``feather profile prefill``) adds the estimated time to
-  first token and the time-optimal DP. ``--plot`` draws the recompute-vs-states frontier as a
+  first token and the time-optimal DP. ``--replay FILE`` (a ``feather replay eval --json``
+  report; needs ``--model``) adds SuffixReplay at equal bytes: align grid, DP only, replay only
+  and DP plus replay (``--replay-method``, ``--replay-tokens`` pick the measured anchors;
+  :mod:`cache_core.replay_placement`). ``--plot`` draws the recompute-vs-states frontier as a
   PNG (against state bytes when a layout is given).
 * ``feather bench placement [--positions N] [--budget M] [--repeats R] [--oracle-budget K]
   [--json]``: the exact solver against the ``O(M N^2)`` oracle in the same run.
@@ -48,6 +51,13 @@ def register(commands) -> None:
     evaluate.add_argument("--prefill-profile", metavar="FILE", default=None,
                           help="prefill-time JSON of `feather profile prefill`, or a shipped one (hybrid-vllm-cpu, "
                                "hybrid-torch-cpu): adds estimated TTFT and dp_time")
+    evaluate.add_argument("--replay", metavar="FILE", default=None,
+                          help="`feather replay eval --json` output (needs --model): adds align grid, DP, "
+                               "SuffixReplay and DP + SuffixReplay at equal bytes")
+    evaluate.add_argument("--replay-method", default="uniform", choices=("uniform", "layerwise"),
+                          help="which measured anchors --replay uses (default uniform: every GDN layer)")
+    evaluate.add_argument("--replay-tokens", type=int, default=16,
+                          help="anchors R per anchored layer per page for --replay (default 16)")
     evaluate.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     evaluate.add_argument("--plot", metavar="FILE", help="write the Pareto plot as a PNG")
     evaluate.set_defaults(func=eval_command)
@@ -90,6 +100,7 @@ def eval_command(args) -> int:
     block_size = args.block_size or trace.block_size or DEFAULT_BLOCK_SIZE
     depths = overlap_depths(trace, block_size=block_size, cache_blocks=args.cache_blocks)
     layout = None if args.model is None else load_layout(args.model)
+    replay = None if args.replay is None else load_replay(args)
     prefill = None if args.prefill_profile is None else load_prefill(args.prefill_profile)
     hybrid = layout is not None or prefill is not None
     heuristics = (*default_heuristics(), *engine_grids(block_size)) if hybrid else None
@@ -97,7 +108,7 @@ def eval_command(args) -> int:
     report = {"workload": args.workload, "cache_blocks": args.cache_blocks, "model": args.model,
               **evaluate_placements(depths, block_size=block_size, budgets=budgets, decay=args.decay,
                                    resolve_every=args.resolve_every, prompt_tokens=prompt_tokens,
-                                   layout=layout, prefill=prefill, heuristics=heuristics)}
+                                   layout=layout, prefill=prefill, heuristics=heuristics, replay=replay)}
     if args.plot:
         plot_frontier(report, args.plot)
     print(format_report(report))
@@ -106,19 +117,39 @@ def eval_command(args) -> int:
     return 0
 
 
-def load_layout(model: str):
-    """The :class:`~cache_core.hybrid_layout.HybridCacheLayout` of ``--model``: ``hybrid`` (the
-    trained hybrid's folder, not built here) or a model folder holding a ``config.json``."""
+def model_folder(model: str):
+    """The folder of ``--model``: ``hybrid`` (the trained hybrid's folder, not built here) or a
+    model folder; ``ValueError`` unless it holds a ``config.json``."""
     from pathlib import Path
 
-    from cache_core.hybrid_layout import HybridCacheLayout
     from feather_gym.hybrid.model import hybrid_dir
 
     folder = hybrid_dir("trained") if model == "hybrid" else Path(model)
     if not (folder / "config.json").is_file():
         hint = "; build it with `feather hybrid build` or pass --model DIR" if model == "hybrid" else ""
         raise ValueError(f"--model {model}: no model config at {folder / 'config.json'}{hint}")
-    return HybridCacheLayout.from_model_dir(folder)
+    return folder
+
+
+def load_layout(model: str):
+    """The :class:`~cache_core.hybrid_layout.HybridCacheLayout` of ``--model`` (:func:`model_folder`)."""
+    from cache_core.hybrid_layout import HybridCacheLayout
+
+    return HybridCacheLayout.from_model_dir(model_folder(model))
+
+
+def load_replay(args):
+    """The :class:`~cache_core.replay_placement.ReplayCost` of ``--replay`` for ``--replay-method``
+    and ``--replay-tokens``, with the anchor width (hidden size) of ``--model``."""
+    from transformers import AutoConfig
+
+    from cache_core.replay_placement import ReplayCost, load_replay_report
+
+    if args.model is None:
+        raise ValueError("--replay needs --model (anchor bytes depend on the model's hidden size)")
+    hidden = AutoConfig.from_pretrained(model_folder(args.model)).hidden_size
+    return ReplayCost.from_replay_report(load_replay_report(args.replay), method=args.replay_method,
+                                         replay_tokens=args.replay_tokens, hidden_size=hidden)
 
 
 #: Prefill-time profiles shipped with the package (``--prefill-profile NAME``), measured on the
@@ -176,7 +207,33 @@ def format_report(report: dict) -> str:
                      f"{report['mean_prompt_tokens']:.0f} tokens")
         lines += _table(report, "estimated time to first token, ms (mean over requests)",
                         lambda m, i, budget: f"{m['ttft_est_ms'][i]:.1f}")
+    if "equal_bytes" in report:
+        lines += format_equal_bytes(report)
     return "\n".join(lines)
+
+
+def format_equal_bytes(report: dict) -> list[str]:
+    """The ``equal_bytes`` section: per budget (bytes = budget x checkpoint bytes) and
+    configuration, recomputed tokens [exact states + anchor entries], estimated TTFT and the
+    fraction of requests resumed from a replayed state."""
+    section = report["equal_bytes"]
+    r = section["replay"]
+    quality = ("" if r["kl_nats"] is None else
+               f", measured at p = {r['quality_prefix_tokens']}: KL {r['kl_nats']:.1e} nats, "
+               f"perplexity ratio {r['ppl_ratio']:.4f}")
+    view = {"budgets": report["budgets"], "methods": section["configs"]}
+    lines = [f"SuffixReplay at equal bytes per shared prefix (budget x {report['layout']['state_bytes']} B): "
+             f"{r['method']} anchors, R = {r['replay_tokens']} at layers {r['anchored_layers']}, "
+             f"{r['entry_bytes']} B per page, rebuild {r['rebuild_ms']:.1f} ms{quality}"]
+    lines += _table(view, "expected recomputed tokens per request [exact states + anchor entries]",
+                    lambda m, i, budget: f"{m['expected_recompute_tokens'][i]:.0f} "
+                                         f"[{m['states_stored'][i]}+{m['anchor_entries'][i]}]")
+    if "prefill" in report:
+        lines += _table(view, "estimated time to first token, ms (rebuild included)",
+                        lambda m, i, budget: f"{m['ttft_est_ms'][i]:.1f}")
+    lines += _table(view, "fraction of requests resumed from a replayed state",
+                    lambda m, i, budget: f"{m['replay_hit_fraction'][i]:.3f}")
+    return lines
 
 
 def _table(report: dict, title: str, cell, extra=None) -> list[str]:

@@ -15,6 +15,7 @@ from cache_core.overlap_estimator import OnlineOverlapEstimator
 from cache_core.placement import PlacementProblem, PlacementSolution, resume_positions, solve, solve_oracle
 from cache_core.placement_heuristics import PlacementHeuristic, default_heuristics
 from cache_core.recompute_cost import PrefillTime
+from cache_core.replay_placement import ReplayCost, compare_at_equal_bytes, ttft_ms
 
 
 def replay_online(depths: np.ndarray, budgets: list[int], *, num_positions: int, decay: float,
@@ -60,7 +61,8 @@ def resume_per_length(solution: PlacementSolution, depths: np.ndarray, horizons:
 def evaluate_placements(depths, *, block_size: int, budgets: list[int],
                         heuristics: tuple[PlacementHeuristic, ...] | None = None,
                         decay: float = 0.999, resolve_every: int = 64, prompt_tokens=None,
-                        layout: HybridCacheLayout | None = None, prefill: PrefillTime | None = None) -> dict:
+                        layout: HybridCacheLayout | None = None, prefill: PrefillTime | None = None,
+                        replay: ReplayCost | None = None) -> dict:
     """Expected recomputed tokens per request for the exact DP and each heuristic at each budget.
 
     ``depths`` are overlap depths in blocks of ``block_size`` tokens, in arrival order; the
@@ -96,6 +98,11 @@ def evaluate_placements(depths, *, block_size: int, budgets: list[int],
       the last prompt token to sample the first output token); and method ``dp_time``, the
       DP solved with ``block_costs = prefill.block_costs(block_size, N)``: it minimises the
       expected recompute time (ms) rather than tokens.
+
+    SuffixReplay. With ``replay`` (:class:`~cache_core.replay_placement.ReplayCost`, needs
+    ``layout``) the report adds ``equal_bytes``: align grid, DP only, replay only and DP plus
+    replay at ``budgets[i] * layout.state_bytes`` bytes per shared prefix
+    (:func:`~cache_core.replay_placement.compare_at_equal_bytes`; its ``dp`` resumes as ``dp`` here).
     """
     if not budgets or min(budgets) < 0:
         raise ValueError(f"budgets must be a non-empty list of non-negative integers, got {budgets}")
@@ -107,6 +114,8 @@ def evaluate_placements(depths, *, block_size: int, budgets: list[int],
             raise ValueError("prompt_tokens needs one length per request, each >= its depth * block_size")
     if prefill is not None and prompt_tokens is None:
         raise ValueError("prefill needs prompt_tokens (the time to first token depends on the prompt length)")
+    if replay is not None and layout is None:
+        raise ValueError("replay needs layout (anchors are compared with exact states at equal bytes)")
     problem = PlacementProblem.from_depths(depths)
     n = problem.num_positions
     start = time.perf_counter()
@@ -122,8 +131,8 @@ def evaluate_placements(depths, *, block_size: int, budgets: list[int],
             out["state_bytes"] = [int(s) * layout.state_bytes for s in states]
             out["kv_bytes"] = [kv_bytes if holds_kv else 0.0] * len(budgets)
         if prefill is not None:
-            resume_tokens = np.minimum(resume * block_size, prompt_tokens - 1)
-            out["ttft_est_ms"] = prefill.ms(resume_tokens, prompt_tokens).mean(axis=1).tolist()
+            out["ttft_est_ms"] = ttft_ms(prefill, resume, block_size=block_size,
+                                         prompt_tokens=prompt_tokens).mean(axis=1).tolist()
         return out
 
     def static_row(placements: list[np.ndarray]) -> dict:
@@ -169,6 +178,11 @@ def evaluate_placements(depths, *, block_size: int, budgets: list[int],
         report["layout"] = layout.as_dict()
     if prefill is not None:
         report["prefill"] = prefill.to_dict()
+    if replay is not None:
+        report["equal_bytes"] = compare_at_equal_bytes(depths, block_size=block_size, budgets=budgets,
+                                                       state_bytes=layout.state_bytes, replay=replay,
+                                                       solution=solution, prompt_tokens=prompt_tokens,
+                                                       prefill=prefill)
     return report
 
 

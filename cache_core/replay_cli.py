@@ -2,7 +2,8 @@
 
 ``feather replay eval [--model trained|tiny|DIR] [--page 256] [--prefix-tokens 1024,2048]
 [--replay-tokens 16,32,64,128,256] [--continuation-tokens 64] [--samples 4] [--needles 8]
-[--time-prefix-tokens 4096,16384,32768] [--anchor-dtype bfloat16] [--threads N] [--seed 0] [--json]``
+[--time-prefix-tokens 4096,16384,32768] [--anchor-dtype bfloat16] [--workload SPEC] [--threads N]
+[--seed 0] [--json]``
 
 On windows of the corpus's held-out tail (text the model was not trained on), float32 model;
 anchors are stored and read back in ``--anchor-dtype`` (bfloat16 by default) before replay:
@@ -19,8 +20,10 @@ anchors are stored and read back in ``--anchor-dtype`` (bfloat16 by default) bef
   it), for the exact states and the replayed ones side by side, with the per-digit accuracy and
   mean log-probability of the true digits (nats);
 * (c) ``storage``: bytes per cached token of the anchors against exact checkpoints every 8,192
-  tokens and every 256-token block (:class:`cache_core.hybrid_layout.HybridCacheLayout`); the
-  DP placement at equal bytes is not compared here yet;
+  tokens and every 256-token block (:class:`cache_core.hybrid_layout.HybridCacheLayout`), and,
+  on the overlap depths of ``--workload`` at page-sized blocks, the tokens each recomputes per
+  request beside the exact DP placement given the anchors' bytes per cached token
+  (:func:`cache_core.replay_placement.storage_on_workload`);
 * (d) ``timing``: wall time to rebuild every GDN state by replay against recomputing the
   prefix (a full forward; the KV hit is not credited to it).
 
@@ -39,6 +42,9 @@ from __future__ import annotations
 
 import json
 import time
+
+#: The branching workload of the storage comparison unless --workload is given.
+DEFAULT_WORKLOAD = "long-doc-qa:num_requests=200"
 
 NAMES = ("Anna", "Boris", "Clara", "Dmitri", "Elena", "Fyodor", "Galina", "Igor", "Katya", "Leonid",
          "Marina", "Nikolai", "Olga", "Pavel", "Rosa", "Sergei")
@@ -59,6 +65,9 @@ def register(commands) -> None:
                     help="prefix lengths whose recomputation is timed ('' skips)")
     ev.add_argument("--anchor-dtype", default="bfloat16",
                     help="anchor store dtype: the anchors replayed and the bytes counted (default bfloat16)")
+    ev.add_argument("--workload", default=DEFAULT_WORKLOAD, metavar="GEN_OR_FILE",
+                    help=f"workload whose overlap depths the storage comparison uses (default {DEFAULT_WORKLOAD}; "
+                         "'' skips)")
     ev.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ev.add_argument("--seed", type=int, default=0)
     ev.add_argument("--json", action="store_true", help="print one JSON object on the last line")
@@ -83,7 +92,8 @@ def eval_command(args) -> int:
                       replay_tokens=_ints(args.replay_tokens, "--replay-tokens"),
                       continuation=args.continuation_tokens, samples=args.samples, needles=args.needles,
                       time_prefixes=_ints(args.time_prefix_tokens, "--time-prefix-tokens"),
-                      anchor_dtype=args.anchor_dtype, threads=args.threads, seed=args.seed)
+                      anchor_dtype=args.anchor_dtype, workload=args.workload, threads=args.threads,
+                      seed=args.seed)
     print_report(report)
     if args.json:
         print(json.dumps(report))
@@ -92,7 +102,7 @@ def eval_command(args) -> int:
 
 def evaluate(model_kind: str, *, page: int, prefixes: list[int], replay_tokens: list[int], continuation: int,
              samples: int, needles: int, time_prefixes: list[int], anchor_dtype: str = "bfloat16",
-             threads: int | None = None, seed: int = 0) -> dict:
+             workload: str = "", threads: int | None = None, seed: int = 0) -> dict:
     """The whole report (see the module docstring); every key carries its unit."""
     import numpy as np
     import torch
@@ -171,6 +181,18 @@ def evaluate(model_kind: str, *, page: int, prefixes: list[int], replay_tokens: 
             storage["rows"].append({"method": method, "replay_tokens": r, "anchor_bytes_per_token": per_token,
                                     "vs_checkpoint_8192": per_token / storage["checkpoint_every_8192_bytes_per_token"],
                                     "vs_checkpoint_256": per_token / storage["checkpoint_every_256_bytes_per_token"]})
+    if workload:
+        from cache_core.replay_placement import storage_on_workload
+        from traces.stats import overlap_depths
+        from traces.workload import resolve_workload
+
+        depths = overlap_depths(resolve_workload(workload, seed=seed), block_size=page)
+        storage["workload"] = {"spec": workload, "block_size_tokens": page, **storage_on_workload(
+            depths, page_tokens=page, state_bytes=layout.state_bytes,
+            bytes_per_token=[row["anchor_bytes_per_token"] for row in storage["rows"]])}
+        for row, dp in zip(storage["rows"], storage["workload"].pop("dp_at_equal_bytes")):
+            row["dp_states_at_equal_bytes"] = dp["states"]
+            row["dp_recompute_tokens_at_equal_bytes"] = dp["expected_recompute_tokens"]
 
     report = {"model": str(model.name_or_path), "dtype": "float32", "anchor_dtype": anchor_dtype, "page_tokens": page,
               "gdn_layers": gdn, "layerwise_anchored_layers": layer_anchored,
@@ -341,9 +363,17 @@ def print_report(report: dict) -> None:
     s = report["storage"]
     print(f"storage: checkpoint every 8192 tokens {s['checkpoint_every_8192_bytes_per_token']:.1f} B/token, "
           f"every 256 {s['checkpoint_every_256_bytes_per_token']:.1f} B/token")
+    w = s.get("workload")
+    if w:
+        print(f"  on {w['spec']} (page-sized blocks, horizon {w['horizon_blocks']}, mean overlap "
+              f"{w['mean_overlap_tokens']:.0f} tokens), recomputed tokens per request: anchors on every page "
+              f"{w['replay_every_page_recompute_tokens']:.0f}, ckpt-8192 {w['checkpoint_every_8192_recompute_tokens']:.0f}, "
+              f"ckpt-256 {w['checkpoint_every_256_recompute_tokens']:.0f}")
     for row in s["rows"]:
+        dp = (f"; DP at equal bytes: {row['dp_states_at_equal_bytes']} states, "
+              f"{row['dp_recompute_tokens_at_equal_bytes']:.0f} tokens recomputed" if w else "")
         print(f"  {row['method']:>9} R={row['replay_tokens']:>4}: {row['anchor_bytes_per_token']:8.1f} B/token "
-              f"({row['vs_checkpoint_8192']:.2f}x ckpt-8192, {row['vs_checkpoint_256']:.3f}x ckpt-256)")
+              f"({row['vs_checkpoint_8192']:.2f}x ckpt-8192, {row['vs_checkpoint_256']:.3f}x ckpt-256){dp}")
     t = report["timing"]
     for row in t["rebuild"]:
         print(f"  rebuild {row['method']:>9} R={row['replay_tokens']:>4}: {row['rebuild_s'] * 1e3:8.1f} ms")

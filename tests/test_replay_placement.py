@@ -1,0 +1,204 @@
+"""SuffixReplay as a placement (cache_core/replay_placement.py): anchor spreading, resume choice,
+the four configurations at equal bytes, the replay eval's storage comparison, and the
+``feather placement eval --replay`` path. No model is run: layouts come from config objects."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from test_placement_cli import last_json
+from test_placement_hybrid import CONFIG, LAYOUT, PREFILL, model_dir  # noqa: F401 (fixture)
+
+from cache_core.placement import PlacementProblem, solve
+from cache_core.placement_eval import evaluate_placements
+from cache_core.replay_placement import (ReplayCost, anchor_entry_bytes, compare_at_equal_bytes, resume_with_anchors,
+                                         spread_anchors, storage_on_workload)
+from cache_core.recompute_cost import PrefillTime
+from feather_gym.cli import main
+
+S = LAYOUT.state_bytes
+BLOCK = 16
+BUDGETS = [0, 1, 2, 3, 5, 8, 40]
+
+
+def branching(seed: int, num_requests: int = 120):
+    """Depths clustered at a few shared-prefix ends (blocks) plus spread ones; prompts cover them."""
+    rng = np.random.default_rng(seed)
+    ends = rng.integers(1, 40, 4)
+    depths = np.where(rng.random(num_requests) < 0.6, rng.choice(ends, num_requests), rng.integers(0, 40, num_requests))
+    return depths, depths * BLOCK + rng.integers(1, 60, num_requests)
+
+
+def replay_cost(entry_bytes: int, rebuild_ms: float = 2.0, kl: float | None = 1e-3) -> ReplayCost:
+    return ReplayCost(method="uniform", replay_tokens=4, anchored_layers=(0, 1, 2), entry_bytes=entry_bytes,
+                      rebuild_ms=rebuild_ms, kl_nats=kl, ppl_ratio=None if kl is None else 1.01)
+
+
+def compare(depths, prompts, replay, *, prefill=PREFILL, budgets=BUDGETS):
+    solution = solve(PlacementProblem.from_depths(depths), max(budgets))
+    return compare_at_equal_bytes(depths, block_size=BLOCK, budgets=budgets, state_bytes=S, replay=replay,
+                                  solution=solution, prompt_tokens=prompts, prefill=prefill)
+
+
+@pytest.mark.parametrize("count", [0, 1, 3, 7, 30, 100])
+def test_spread_anchors_avoid_exact_states_and_fill_every_free_boundary_when_they_can(count):
+    exact = np.array([3, 9, 20])
+    anchors = spread_anchors(25, exact, count)
+    assert anchors.size == min(count, 22) and np.all(np.diff(anchors) > 0)
+    assert not set(anchors) & set(exact) and anchors.min(initial=1) >= 1 and anchors.max(initial=25) <= 25
+    if 0 < count < 22:
+        assert anchors[-1] == 25                    # the deepest free boundary is always anchored
+
+
+def test_resume_takes_the_anchor_only_when_it_is_cheaper():
+    depths, prompts = np.array([0, 4, 6, 6, 10]), np.array([5, 70, 100, 200, 200])
+    exact, anchors = np.array([4]), np.array([5, 6])
+    resume, replayed = resume_with_anchors(exact, anchors, depths, block_size=BLOCK)
+    assert resume.tolist() == [0, 4, 6, 6, 6] and replayed.tolist() == [False, False, True, True, True]
+    # A rebuild dearer than recomputing two blocks: every request keeps its exact state.
+    slow = resume_with_anchors(exact, anchors, depths, block_size=BLOCK, prompt_tokens=prompts, prefill=PREFILL,
+                               rebuild_ms=1e6)
+    assert slow[0].tolist() == [0, 4, 4, 4, 4] and not slow[1].any()
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("entry", [S // 40, S // 7, S // 2])
+def test_bytes_never_exceed_the_budget_and_are_counted_per_state_and_anchor(seed, entry):
+    depths, prompts = branching(seed)
+    report = compare(depths, prompts, replay_cost(entry))
+    n = report["horizon_blocks"]
+    assert report["budgets_bytes"] == [b * S for b in BUDGETS]
+    for name, row in report["configs"].items():
+        total = np.array(row["total_bytes"])
+        assert np.all(total <= report["budgets_bytes"]), name
+        assert row["state_bytes"] == [s * S for s in row["states_stored"]], name
+        assert row["anchor_bytes"] == [a * entry for a in row["anchor_entries"]], name
+        np.testing.assert_allclose(row["bytes_per_cached_token"], total / (n * BLOCK))
+    assert report["configs"]["dp"]["anchor_entries"] == report["configs"]["align_grid"]["anchor_entries"] == [0] * 7
+    assert report["configs"]["replay"]["states_stored"] == [0] * 7
+    assert report["configs"]["align_grid"]["states_stored"] == [min(b, n) for b in BUDGETS]   # a grid uses its bytes
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("prefill", [PREFILL, None])
+def test_the_composition_is_never_worse_than_dp_or_replay_at_equal_bytes(seed, prefill):
+    depths, prompts = branching(seed)
+    configs = compare(depths, prompts, replay_cost(S // 9), prefill=prefill)["configs"]
+    key = "ttft_est_ms" if prefill else "expected_recompute_tokens"
+    both = np.array(configs["dp_replay"][key])
+    for part in ("dp", "replay", "align_grid"):
+        assert np.all(both <= np.array(configs[part][key]) + 1e-9), part
+    # The DP dominates the fixed grid at the same states, in recomputed tokens.
+    assert np.all(np.array(configs["dp"]["expected_recompute_tokens"])
+                  <= np.array(configs["align_grid"]["expected_recompute_tokens"]) + 1e-9)
+
+
+def test_with_no_affordable_anchor_the_composition_is_the_dp():
+    depths, prompts = branching(1)
+    report = compare(depths, prompts, replay_cost(max(BUDGETS) * S + 1))
+    configs = report["configs"]
+    assert configs["dp_replay"] == configs["dp"]
+    assert configs["replay"]["anchor_entries"] == [0] * 7
+    assert configs["replay"]["expected_recompute_tokens"] == pytest.approx([depths.mean() * BLOCK] * 7)
+
+
+def test_with_anchors_on_every_boundary_every_hit_resumes_at_its_depth():
+    depths, prompts = branching(2)
+    report = compare(depths, prompts, replay_cost(1, rebuild_ms=0.0), budgets=[1, 4])
+    replay, both = report["configs"]["replay"], report["configs"]["dp_replay"]
+    assert replay["anchor_entries"] == [report["horizon_blocks"]] * 2
+    assert replay["expected_recompute_tokens"] == [0.0, 0.0]
+    assert replay["replay_hit_fraction"] == pytest.approx([np.mean(depths > 0)] * 2)
+    np.testing.assert_allclose(replay["expected_kl_nats"], np.array(replay["replay_hit_fraction"]) * 1e-3)
+    # Exact states take the hits at their own depths; everything else is replayed, nothing recomputed.
+    exact = solve(PlacementProblem.from_depths(depths), 4).checkpoints(both["states_stored"][1])
+    assert both["expected_recompute_tokens"][1] == 0.0
+    assert both["replay_hit_fraction"][1] == pytest.approx(np.mean((depths > 0) & ~np.isin(depths, exact)))
+
+
+def test_exact_states_take_the_mass_and_anchors_the_rest():
+    """Two depths carry almost all the mass: at 3 states' bytes the composition keeps exact states
+    at both and spends the third state's bytes on anchors, which serve the two stray depths."""
+    depths = np.array([10] * 50 + [30] * 50 + [17, 23])
+    prompts = depths * BLOCK + 8
+    report = compare(depths, prompts, replay_cost(S // 40, rebuild_ms=1.0), budgets=[3])
+    both = report["configs"]["dp_replay"]
+    assert both["states_stored"] == [2] and both["anchor_entries"][0] > 0
+    assert both["replay_hit_fraction"][0] == pytest.approx(2 / 102)
+    assert both["ttft_est_ms"][0] < report["configs"]["replay"]["ttft_est_ms"][0]
+
+
+def fake_replay_report(dtype: str = "bfloat16") -> dict:
+    """The keys of a ``feather replay eval --json`` report that ReplayCost reads."""
+    rows = [(m, r, 0.01 * r) for m in ("uniform", "layerwise") for r in (4, 16)]
+    return {"anchor_dtype": dtype, "gdn_layers": [0, 1, 2], "layerwise_anchored_layers": [2],
+            "timing": {"rebuild": [{"method": m, "replay_tokens": r, "rebuild_s": s} for m, r, s in rows]},
+            "quality": [{"prefix_tokens": p, "method": m, "replay_tokens": r, "kl_nats_mean": s / p,
+                         "ppl_ratio": 1 + s} for m, r, s in rows for p in (128, 256)]}
+
+
+def test_replay_cost_reads_the_report_and_counts_bytes_as_the_anchor_store():
+    cost = ReplayCost.from_replay_report(fake_replay_report(), method="uniform", replay_tokens=16,
+                                         hidden_size=CONFIG.hidden_size)
+    assert cost.entry_bytes == 16 * CONFIG.hidden_size * 2 * 3 == anchor_entry_bytes(
+        hidden_size=CONFIG.hidden_size, anchored_layers=[0, 1, 2], replay_tokens=16)
+    assert cost.rebuild_ms == pytest.approx(160.0) and cost.quality_prefix_tokens == 256
+    assert cost.kl_nats == pytest.approx(0.16 / 256)
+    layerwise = ReplayCost.from_replay_report(fake_replay_report("float32"), method="layerwise", replay_tokens=4,
+                                              hidden_size=CONFIG.hidden_size)
+    assert layerwise.entry_bytes == 4 * CONFIG.hidden_size * 4 and layerwise.anchored_layers == (2,)
+    with pytest.raises(ValueError, match="R = 64"):
+        ReplayCost.from_replay_report(fake_replay_report(), replay_tokens=64, hidden_size=8)
+    with pytest.raises(ValueError, match="keep anchors"):
+        ReplayCost.from_replay_report(fake_replay_report(), method="suffix", hidden_size=8)
+
+
+def test_evaluate_placements_adds_equal_bytes_and_its_dp_is_the_reports_dp():
+    depths, prompts = branching(3)
+    report = evaluate_placements(depths, block_size=BLOCK, budgets=BUDGETS, prompt_tokens=prompts, layout=LAYOUT,
+                                 prefill=PREFILL, replay=replay_cost(S // 9))
+    dp = report["equal_bytes"]["configs"]["dp"]
+    assert dp["expected_recompute_tokens"] == pytest.approx(report["methods"]["dp"]["expected_recompute_tokens"])
+    assert dp["ttft_est_ms"] == pytest.approx(report["methods"]["dp"]["ttft_est_ms"])
+    with pytest.raises(ValueError, match="layout"):
+        evaluate_placements(depths, block_size=BLOCK, budgets=[1], replay=replay_cost(10))
+
+
+def test_storage_on_workload_compares_anchors_with_grids_and_the_dp_at_equal_bytes():
+    depths = np.array([0, 4, 4, 40, 40, 40, 65])           # pages of 256 tokens
+    out = storage_on_workload(depths, page_tokens=256, state_bytes=1000, bytes_per_token=[0.0, 1000 / 8192, 100.0])
+    assert out["horizon_blocks"] == 65 and out["replay_every_page_recompute_tokens"] == 0.0
+    assert out["checkpoint_every_256_recompute_tokens"] == 0.0
+    grid = np.array([0, 4, 4, 40 - 32, 40 - 32, 40 - 32, 65 - 64]) * 256
+    assert out["checkpoint_every_8192_recompute_tokens"] == pytest.approx(grid.mean())
+    none, as_grid, rich = out["dp_at_equal_bytes"]
+    assert none == {"states": 0, "expected_recompute_tokens": pytest.approx(depths.mean() * 256)}
+    assert as_grid["states"] == 65 * 256 // 8192 and as_grid["expected_recompute_tokens"] <= grid.mean()
+    assert rich["states"] == 65 and rich["expected_recompute_tokens"] == 0.0
+
+
+def test_placement_eval_cli_with_replay(tmp_path, capsys, model_dir):  # noqa: F811
+    profile, replay = tmp_path / "prefill.json", tmp_path / "replay.out"
+    profile.write_text(json.dumps(PREFILL.to_dict()))
+    replay.write_text("replay eval tables...\n" + json.dumps(fake_replay_report()) + "\n")
+    assert main(["placement", "eval", "--workload", "tool-agent:num_requests=40", "--block-size", "16",
+                 "--budgets", "0,1,4", "--model", str(model_dir), "--prefill-profile", str(profile),
+                 "--replay", str(replay), "--replay-tokens", "4", "--json"]) == 0
+    out = capsys.readouterr().out
+    report = json.loads(out.strip().splitlines()[-1])
+    section = report["equal_bytes"]
+    assert set(section["configs"]) == {"align_grid", "dp", "replay", "dp_replay"}
+    assert section["replay"]["entry_bytes"] == 4 * CONFIG.hidden_size * 2 * 3
+    assert "SuffixReplay at equal bytes" in out and "replayed state" in out
+    assert main(["placement", "eval", "--workload", "tool-agent:num_requests=5", "--replay", str(replay)]) == 2
+    assert "--replay needs --model" in capsys.readouterr().err
+
+
+def test_ttft_computes_at_least_the_last_prompt_token():
+    from cache_core.replay_placement import ttft_ms
+
+    linear = PrefillTime(fixed_ms=3.0, ms_per_token=0.1, ms_per_token_squared=0.0)
+    np.testing.assert_allclose(ttft_ms(linear, np.array([2, 4]), block_size=16, prompt_tokens=np.array([100, 64])),
+                               [3.0 + 0.1 * 68, 3.0 + 0.1 * 1])
