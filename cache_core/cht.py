@@ -318,6 +318,82 @@ class ChunkedHashTree:
             heappop(heap)
         return None
 
+    def top_candidates(self, k: int) -> list:
+        """The best waiting request of each of the ``k`` best prefix groups, best first.
+
+        A waiting request's *prefix group* is the first chunk it is missing: requests whose
+        ``s`` leading chunks are in the working set and whose chunk ``s + 1`` is the same digest
+        form one group (they would extend the same running prefix the same way); a request with
+        nothing missing is a group of its own. Groups rank by their best request's selection key
+        (:meth:`find_best`), so the first id is ``find_best()`` and ``top_candidates(1) ==
+        [find_best()]``. Fewer than ``k`` ids when fewer groups wait; ``[]`` when nothing waits.
+
+        How: a lazy k-way merge of prefix heaps. The global heap is walked in key order (a heap
+        of its positions). A valid entry for request ``b`` opens, as a stream of its waiting
+        requests at their keys through it, every working-set prefix on ``b``'s chain at or above
+        the entry whose best request is ``b`` (a contiguous run; one per run of prefixes with the
+        same waiting requests). Every working-set prefix's best has such an entry (invariant 3)
+        that surfaces before any of its other requests' keys, so each request first appears at
+        its own key, through its deepest working-set prefix. Only stale prefix-heap tops are
+        popped, before the walk. O((k + d + e + o) log W): ``d`` requests passed over (group already taken, or
+        seen through a deeper prefix), ``e`` global entries walked, ``o`` prefixes opened.
+        """
+        if k < 1:
+            raise ValueError(f"top_candidates needs k >= 1, got {k}")
+        best = self.find_best()                 # drops invalid global-heap tops
+        if best is None or k == 1:
+            return [] if best is None else [best]
+        glob, by_seq, working_set, index = self._global, self._waiting_by_seq, self._working_set, self._index
+        self._live_top(self._root)              # now every top compared below is live (invariant 2)
+        merge: list[tuple] = []                 # (missing, -depth, seq, tiebreak, heap, position, prefix)
+        tiebreak = 0
+
+        def push(heap: list, position: int, prefix: _Prefix | None) -> None:
+            nonlocal tiebreak
+            if position < len(heap):
+                tiebreak += 1
+                if prefix is None:              # a global-heap entry
+                    missing, negdepth, seq, _ = heap[position]
+                else:                           # a queue key through ``prefix``
+                    key = heap[position]
+                    missing, negdepth, seq = (key >> _SEQ_BITS) - prefix.depth, -prefix.depth, key & _SEQ_MASK
+                heappush(merge, (missing, negdepth, seq, tiebreak, heap, position, prefix))
+
+        def open_sources(request: _Request, digest: int) -> None:
+            chain, below = request.digests.tolist(), -1
+            for depth in range(0 if digest == _ROOT else index[digest].depth, -1, -1):
+                source = index[chain[depth - 1]] if depth else self._root
+                if source.heap[0] != request.key:
+                    return
+                if source.waiting != below and source not in opened:
+                    opened.add(source)
+                    push(source.heap, 0, source)
+                below = source.waiting
+
+        push(glob, 0, None)
+        opened, seen, groups, out = set(), set(), set(), []
+        while merge and len(out) < k:
+            _, negdepth, seq, _, heap, position, prefix = heappop(merge)
+            push(heap, 2 * position + 1, prefix)
+            push(heap, 2 * position + 2, prefix)
+            request = by_seq.get(seq)
+            if request is None:
+                continue
+            if prefix is None:
+                digest = heap[position][3]
+                if digest == _ROOT or digest in working_set:
+                    open_sources(request, digest)
+                continue
+            if seq in seen:
+                continue
+            seen.add(seq)
+            depth = -negdepth
+            group = int(request.digests[depth]) if depth < len(request.digests) else _ROOT - 1 - seq
+            if group not in groups:
+                groups.add(group)
+                out.append(request.request_id)
+        return out
+
     @property
     def running_common_prefix(self) -> int:
         """Chunks common to every running request (0 when none run).
