@@ -12,6 +12,7 @@
   first token and the time-optimal DP. ``--replay FILE`` (a ``feather replay eval --json``
   report; needs ``--model``) adds SuffixReplay at equal bytes: align grid, DP only, replay only
   and DP plus replay (``--replay-method``, ``--replay-tokens`` pick the measured anchors;
+  ``--replay-accounting`` counts bytes on the whole prefix tree or per shared prefix;
   :mod:`cache_core.replay_placement`). ``--plot`` draws the recompute-vs-states frontier as a
   PNG (against state bytes when a layout is given).
 * ``feather bench placement [--positions N] [--budget M] [--repeats R] [--oracle-budget K]
@@ -58,6 +59,9 @@ def register(commands) -> None:
                           help="which measured anchors --replay uses (default uniform: every GDN layer)")
     evaluate.add_argument("--replay-tokens", type=int, default=16,
                           help="anchors R per anchored layer per page for --replay (default 16)")
+    evaluate.add_argument("--replay-accounting", default="tree", choices=("tree", "path"),
+                          help="bytes for --replay: on the workload's whole prefix tree (default) or per shared "
+                               "prefix path, as the budgets of the other tables")
     evaluate.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     evaluate.add_argument("--plot", metavar="FILE", help="write the Pareto plot as a PNG")
     evaluate.set_defaults(func=eval_command)
@@ -105,10 +109,17 @@ def eval_command(args) -> int:
     hybrid = layout is not None or prefill is not None
     heuristics = (*default_heuristics(), *engine_grids(block_size)) if hybrid else None
     prompt_tokens = np.array([r.input_len for r in trace]) if hybrid else None
+    tree = None
+    if replay is not None and args.replay_accounting == "tree":
+        from cache_core.replay_placement import hit_tree_copies
+        from traces.stats import request_digests
+
+        tree = hit_tree_copies(request_digests(trace, block_size), depths)
     report = {"workload": args.workload, "cache_blocks": args.cache_blocks, "model": args.model,
               **evaluate_placements(depths, block_size=block_size, budgets=budgets, decay=args.decay,
                                    resolve_every=args.resolve_every, prompt_tokens=prompt_tokens,
-                                   layout=layout, prefill=prefill, heuristics=heuristics, replay=replay)}
+                                   layout=layout, prefill=prefill, heuristics=heuristics, replay=replay,
+                                   tree=tree)}
     if args.plot:
         plot_frontier(report, args.plot)
     print(format_report(report))
@@ -222,12 +233,15 @@ def format_equal_bytes(report: dict) -> list[str]:
                f", measured at p = {r['quality_prefix_tokens']}: KL {r['kl_nats']:.1e} nats, "
                f"perplexity ratio {r['ppl_ratio']:.4f}")
     view = {"budgets": report["budgets"], "methods": section["configs"]}
-    lines = [f"SuffixReplay at equal bytes per shared prefix (budget x {report['layout']['state_bytes']} B): "
+    where = ("per shared prefix" if section["accounting"] == "path" else
+             f"on the whole prefix tree ({section['families']} families, {section['cached_pages']} pages hit)")
+    lines = [f"SuffixReplay at equal bytes {where} (budget x {report['layout']['state_bytes']} B): "
              f"{r['method']} anchors, R = {r['replay_tokens']} at layers {r['anchored_layers']}, "
              f"{r['entry_bytes']} B per page, rebuild {r['rebuild_ms']:.1f} ms{quality}"]
-    lines += _table(view, "expected recomputed tokens per request [exact states + anchor entries]",
+    lines += _table(view, "bytes per cached token", lambda m, i, budget: f"{m['bytes_per_cached_token'][i]:.1f}")
+    lines += _table(view, "expected recomputed tokens per request [exact states + anchors, tree nodes]",
                     lambda m, i, budget: f"{m['expected_recompute_tokens'][i]:.0f} "
-                                         f"[{m['states_stored'][i]}+{m['anchor_entries'][i]}]")
+                                         f"[{m['state_copies'][i]}+{m['anchor_copies'][i]}]")
     if "prefill" in report:
         lines += _table(view, "estimated time to first token, ms (rebuild included)",
                         lambda m, i, budget: f"{m['ttft_est_ms'][i]:.1f}")

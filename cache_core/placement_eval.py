@@ -62,7 +62,7 @@ def evaluate_placements(depths, *, block_size: int, budgets: list[int],
                         heuristics: tuple[PlacementHeuristic, ...] | None = None,
                         decay: float = 0.999, resolve_every: int = 64, prompt_tokens=None,
                         layout: HybridCacheLayout | None = None, prefill: PrefillTime | None = None,
-                        replay: ReplayCost | None = None) -> dict:
+                        replay: ReplayCost | None = None, tree=None) -> dict:
     """Expected recomputed tokens per request for the exact DP and each heuristic at each budget.
 
     ``depths`` are overlap depths in blocks of ``block_size`` tokens, in arrival order; the
@@ -101,8 +101,10 @@ def evaluate_placements(depths, *, block_size: int, budgets: list[int],
 
     SuffixReplay. With ``replay`` (:class:`~cache_core.replay_placement.ReplayCost`, needs
     ``layout``) the report adds ``equal_bytes``: align grid, DP only, replay only and DP plus
-    replay at ``budgets[i] * layout.state_bytes`` bytes per shared prefix
-    (:func:`~cache_core.replay_placement.compare_at_equal_bytes`; its ``dp`` resumes as ``dp`` here).
+    replay at ``budgets[i] * layout.state_bytes`` bytes
+    (:func:`~cache_core.replay_placement.compare_at_equal_bytes`): per shared prefix, where its
+    ``dp`` is ``dp`` here, or, with ``tree = (family, copies)``
+    (:func:`~cache_core.replay_placement.hit_tree_copies`), on the workload's whole prefix tree.
     """
     if not budgets or min(budgets) < 0:
         raise ValueError(f"budgets must be a non-empty list of non-negative integers, got {budgets}")
@@ -181,8 +183,8 @@ def evaluate_placements(depths, *, block_size: int, budgets: list[int],
     if replay is not None:
         report["equal_bytes"] = compare_at_equal_bytes(depths, block_size=block_size, budgets=budgets,
                                                        state_bytes=layout.state_bytes, replay=replay,
-                                                       solution=solution, prompt_tokens=prompt_tokens,
-                                                       prefill=prefill)
+                                                       prompt_tokens=prompt_tokens, prefill=prefill,
+                                                       **dict(zip(("family", "copies"), tree or ())))
     return report
 
 

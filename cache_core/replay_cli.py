@@ -22,8 +22,8 @@ anchors are stored and read back in ``--anchor-dtype`` (bfloat16 by default) bef
 * (c) ``storage``: bytes per cached token of the anchors against exact checkpoints every 8,192
   tokens and every 256-token block (:class:`cache_core.hybrid_layout.HybridCacheLayout`), and,
   on the overlap depths of ``--workload`` at page-sized blocks, the tokens each recomputes per
-  request beside the exact DP placement given the anchors' bytes per cached token
-  (:func:`cache_core.replay_placement.storage_on_workload`);
+  request beside the exact DP placement given the anchors' bytes per cached token, bytes
+  counted on the workload's prefix tree (:func:`cache_core.replay_placement.storage_on_workload`);
 * (d) ``timing``: wall time to rebuild every GDN state by replay against recomputing the
   prefix (a full forward; the KV hit is not credited to it).
 
@@ -182,17 +182,20 @@ def evaluate(model_kind: str, *, page: int, prefixes: list[int], replay_tokens: 
                                     "vs_checkpoint_8192": per_token / storage["checkpoint_every_8192_bytes_per_token"],
                                     "vs_checkpoint_256": per_token / storage["checkpoint_every_256_bytes_per_token"]})
     if workload:
-        from cache_core.replay_placement import storage_on_workload
-        from traces.stats import overlap_depths
+        from cache_core.replay_placement import hit_tree_copies, storage_on_workload
+        from traces.stats import overlap_depths, request_digests
         from traces.workload import resolve_workload
 
-        depths = overlap_depths(resolve_workload(workload, seed=seed), block_size=page)
+        trace = resolve_workload(workload, seed=seed)
+        depths = overlap_depths(trace, block_size=page)
         storage["workload"] = {"spec": workload, "block_size_tokens": page, **storage_on_workload(
             depths, page_tokens=page, state_bytes=layout.state_bytes,
-            bytes_per_token=[row["anchor_bytes_per_token"] for row in storage["rows"]])}
+            bytes_per_token=[row["anchor_bytes_per_token"] for row in storage["rows"]],
+            **dict(zip(("family", "copies"), hit_tree_copies(request_digests(trace, page), depths))))}
         for row, dp in zip(storage["rows"], storage["workload"].pop("dp_at_equal_bytes")):
             row["dp_states_at_equal_bytes"] = dp["states"]
             row["dp_recompute_tokens_at_equal_bytes"] = dp["expected_recompute_tokens"]
+            row["dp_state_copies_at_equal_bytes"] = dp["state_copies"]
 
     report = {"model": str(model.name_or_path), "dtype": "float32", "anchor_dtype": anchor_dtype, "page_tokens": page,
               "gdn_layers": gdn, "layerwise_anchored_layers": layer_anchored,
@@ -365,12 +368,14 @@ def print_report(report: dict) -> None:
           f"every 256 {s['checkpoint_every_256_bytes_per_token']:.1f} B/token")
     w = s.get("workload")
     if w:
-        print(f"  on {w['spec']} (page-sized blocks, horizon {w['horizon_blocks']}, mean overlap "
+        print(f"  on {w['spec']} (page-sized blocks, horizon {w['horizon_blocks']}, {w['cached_pages']} pages hit, "
+              f"mean overlap "
               f"{w['mean_overlap_tokens']:.0f} tokens), recomputed tokens per request: anchors on every page "
               f"{w['replay_every_page_recompute_tokens']:.0f}, ckpt-8192 {w['checkpoint_every_8192_recompute_tokens']:.0f}, "
               f"ckpt-256 {w['checkpoint_every_256_recompute_tokens']:.0f}")
     for row in s["rows"]:
-        dp = (f"; DP at equal bytes: {row['dp_states_at_equal_bytes']} states, "
+        dp = (f"; DP at equal bytes: {row['dp_states_at_equal_bytes']} depths "
+              f"({row['dp_state_copies_at_equal_bytes']} states in the tree), "
               f"{row['dp_recompute_tokens_at_equal_bytes']:.0f} tokens recomputed" if w else "")
         print(f"  {row['method']:>9} R={row['replay_tokens']:>4}: {row['anchor_bytes_per_token']:8.1f} B/token "
               f"({row['vs_checkpoint_8192']:.2f}x ckpt-8192, {row['vs_checkpoint_256']:.3f}x ckpt-256){dp}")

@@ -13,8 +13,9 @@ from test_placement_hybrid import CONFIG, LAYOUT, PREFILL, model_dir  # noqa: F4
 
 from cache_core.placement import PlacementProblem, solve
 from cache_core.placement_eval import evaluate_placements
-from cache_core.replay_placement import (ReplayCost, anchor_entry_bytes, compare_at_equal_bytes, resume_with_anchors,
-                                         spread_anchors, storage_on_workload)
+from cache_core.placement import resume_positions
+from cache_core.replay_placement import (ReplayCost, anchor_entry_bytes, compare_at_equal_bytes, dp_allocations,
+                                         hit_tree_copies, resume_with_anchors, spread_anchors, storage_on_workload)
 from cache_core.recompute_cost import PrefillTime
 from feather_gym.cli import main
 
@@ -36,10 +37,18 @@ def replay_cost(entry_bytes: int, rebuild_ms: float = 2.0, kl: float | None = 1e
                       rebuild_ms=rebuild_ms, kl_nats=kl, ppl_ratio=None if kl is None else 1.01)
 
 
-def compare(depths, prompts, replay, *, prefill=PREFILL, budgets=BUDGETS):
-    solution = solve(PlacementProblem.from_depths(depths), max(budgets))
+def compare(depths, prompts, replay, *, prefill=PREFILL, budgets=BUDGETS, tree=None):
     return compare_at_equal_bytes(depths, block_size=BLOCK, budgets=budgets, state_bytes=S, replay=replay,
-                                  solution=solution, prompt_tokens=prompts, prefill=prefill)
+                                  prompt_tokens=prompts, prefill=prefill, **dict(zip(("family", "copies"), tree or ())))
+
+
+def random_tree(depths, seed: int):
+    """Three families, each depth held by 1-3 nodes of a family whose requests reach it."""
+    rng = np.random.default_rng(seed)
+    family = rng.integers(0, 3, depths.size)
+    reach = np.array([depths[family == f].max(initial=0) for f in range(3)])
+    copies = rng.integers(1, 4, (3, max(int(depths.max()), 1))) * (np.arange(1, depths.max() + 1) <= reach[:, None])
+    return family, copies
 
 
 @pytest.mark.parametrize("count", [0, 1, 3, 7, 30, 100])
@@ -54,50 +63,108 @@ def test_spread_anchors_avoid_exact_states_and_fill_every_free_boundary_when_the
 
 def test_resume_takes_the_anchor_only_when_it_is_cheaper():
     depths, prompts = np.array([0, 4, 6, 6, 10]), np.array([5, 70, 100, 200, 200])
-    exact, anchors = np.array([4]), np.array([5, 6])
-    resume, replayed = resume_with_anchors(exact, anchors, depths, block_size=BLOCK)
+    at_exact, at_anchor = resume_positions(np.array([4]), depths), resume_positions(np.array([5, 6]), depths)
+    resume, replayed = resume_with_anchors(at_exact, at_anchor, block_size=BLOCK)
     assert resume.tolist() == [0, 4, 6, 6, 6] and replayed.tolist() == [False, False, True, True, True]
     # A rebuild dearer than recomputing two blocks: every request keeps its exact state.
-    slow = resume_with_anchors(exact, anchors, depths, block_size=BLOCK, prompt_tokens=prompts, prefill=PREFILL,
+    slow = resume_with_anchors(at_exact, at_anchor, block_size=BLOCK, prompt_tokens=prompts, prefill=PREFILL,
                                rebuild_ms=1e6)
     assert slow[0].tolist() == [0, 4, 4, 4, 4] and not slow[1].any()
 
 
 @pytest.mark.parametrize("seed", range(5))
 @pytest.mark.parametrize("entry", [S // 40, S // 7, S // 2])
-def test_bytes_never_exceed_the_budget_and_are_counted_per_state_and_anchor(seed, entry):
+def test_path_bytes_never_exceed_the_budget_and_are_counted_per_state_and_anchor(seed, entry):
     depths, prompts = branching(seed)
     report = compare(depths, prompts, replay_cost(entry))
     n = report["horizon_blocks"]
-    assert report["budgets_bytes"] == [b * S for b in BUDGETS]
+    assert report["budgets_bytes"] == [b * S for b in BUDGETS] and report["accounting"] == "path"
     for name, row in report["configs"].items():
         total = np.array(row["total_bytes"])
         assert np.all(total <= report["budgets_bytes"]), name
         assert row["state_bytes"] == [s * S for s in row["states_stored"]], name
-        assert row["anchor_bytes"] == [a * entry for a in row["anchor_entries"]], name
+        assert row["anchor_bytes"] == [a * entry for a in row["anchor_copies"]], name
+        assert all(c <= a for c, a in zip(row["anchor_copies"], row["anchor_entries"])), name   # not on exact states
         np.testing.assert_allclose(row["bytes_per_cached_token"], total / (n * BLOCK))
     assert report["configs"]["dp"]["anchor_entries"] == report["configs"]["align_grid"]["anchor_entries"] == [0] * 7
     assert report["configs"]["replay"]["states_stored"] == [0] * 7
-    assert report["configs"]["align_grid"]["states_stored"] == [min(b, n) for b in BUDGETS]   # a grid uses its bytes
+    assert report["configs"]["dp"]["states_stored"] == [min(b, len(np.unique(depths[depths > 0]))) for b in BUDGETS]
+    grid = report["configs"]["align_grid"]["states_stored"]
+    assert all(g <= b for g, b in zip(grid, BUDGETS)) and grid[-1] == n          # budget 40 >= N: every block
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_tree_bytes_count_every_copy_and_never_exceed_the_budget(seed):
+    depths, prompts = branching(seed)
+    family, copies = random_tree(depths, seed)
+    entry = S // 9
+    report = compare(depths, prompts, replay_cost(entry), tree=(family, copies))
+    assert report["accounting"] == "tree" and report["cached_pages"] == copies.sum()
+    for name, row in report["configs"].items():
+        assert np.all(np.array(row["total_bytes"]) <= report["budgets_bytes"]), name
+        assert row["state_bytes"] == [c * S for c in row["state_copies"]], name
+        assert row["anchor_bytes"] == [c * entry for c in row["anchor_copies"]], name
+        np.testing.assert_allclose(row["bytes_per_cached_token"], np.array(row["total_bytes"]) / (copies.sum() * BLOCK))
+    with pytest.raises(ValueError, match="copies"):
+        compare(depths, prompts, replay_cost(entry), tree=(family, copies[:, :-1]))
+
+
+def test_two_copies_of_every_node_cost_twice_the_bytes_for_the_same_placements():
+    depths, prompts = branching(4)
+    path = compare(depths, prompts, replay_cost(S // 9), budgets=[1, 2, 4, 8])
+    doubled = compare(depths, prompts, replay_cost(S // 9), budgets=[2, 4, 8, 16],
+                      tree=(np.zeros(depths.size, dtype=np.int64), np.full((1, depths.max()), 2)))
+    for name, row in path["configs"].items():
+        twin = doubled["configs"][name]
+        assert twin["expected_recompute_tokens"] == row["expected_recompute_tokens"], name
+        assert twin["total_bytes"] == [2 * b for b in row["total_bytes"]], name
+
+
+def test_dp_allocations_per_family_are_each_familys_dp_and_cut_recompute_at_every_step():
+    depths = np.array([5, 5, 5, 2, 9, 9, 3, 3, 3, 3])
+    family = np.array([0, 0, 0, 0, 0, 0, 1, 1, 1, 1])
+    copies = np.ones((2, 9), dtype=np.int64)
+    sequence = dp_allocations(depths, family, copies, 10)
+    recompute = [(depths - a["at_exact"]).sum() for a in sequence]
+    assert recompute[0] == depths.sum() and recompute[-1] == 0 and np.all(np.diff(recompute) < 0)
+    assert [a["bytes"] for a in sequence] == [10 * a["copies"] for a in sequence]
+    # First the state that removes the most: family 0's depth 5 (3 x 5 + 2 x 5 blocks, against 4 x 3 in family 1).
+    assert sequence[1]["placements"][0].tolist() == [5] and sequence[1]["placements"][1].size == 0
+    assert sequence[-1]["placements"][0].tolist() == [2, 5, 9]
+    # One family, one copy per depth: the DP's budgets in order.
+    single = dp_allocations(depths, np.zeros(10, dtype=np.int64), np.ones((1, 9), dtype=np.int64), 1)
+    assert [a["states"] for a in single] == list(range(len(np.unique(depths)) + 1))
+
+
+def test_hit_tree_copies_count_distinct_pages_on_matched_paths_per_family():
+    # Families 1.. and 9..; family 1 branches after its first page; the last request has no full page.
+    digests = [[1, 2, 3], [1, 2, 4], [1, 5, 6], [9, 9, 9], [1, 5, 7], [9, 9, 8], []]
+    depths = np.array([0, 2, 1, 0, 2, 2, 0])
+    family, copies = hit_tree_copies(digests, depths)
+    assert family.tolist() == [0, 0, 0, 1, 0, 1, 2]
+    assert copies.tolist() == [[1, 2], [1, 1], [0, 0]]      # family 1: {1} then {2, 5}; family 9: {9}, {9}
 
 
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("prefill", [PREFILL, None])
-def test_the_composition_is_never_worse_than_dp_or_replay_at_equal_bytes(seed, prefill):
+@pytest.mark.parametrize("tree", [False, True])
+def test_the_composition_is_never_worse_than_dp_or_replay_at_equal_bytes(seed, prefill, tree):
     depths, prompts = branching(seed)
-    configs = compare(depths, prompts, replay_cost(S // 9), prefill=prefill)["configs"]
+    configs = compare(depths, prompts, replay_cost(S // 9), prefill=prefill,
+                      tree=random_tree(depths, seed) if tree else None)["configs"]
     key = "ttft_est_ms" if prefill else "expected_recompute_tokens"
     both = np.array(configs["dp_replay"][key])
-    for part in ("dp", "replay", "align_grid"):
+    for part in ("dp", "replay"):
         assert np.all(both <= np.array(configs[part][key]) + 1e-9), part
-    # The DP dominates the fixed grid at the same states, in recomputed tokens.
-    assert np.all(np.array(configs["dp"]["expected_recompute_tokens"])
-                  <= np.array(configs["align_grid"]["expected_recompute_tokens"]) + 1e-9)
+    if not tree:      # one path: the DP dominates the fixed grid at the same bytes, in recomputed tokens
+        assert np.all(np.array(configs["dp"]["expected_recompute_tokens"])
+                      <= np.array(configs["align_grid"]["expected_recompute_tokens"]) + 1e-9)
 
 
-def test_with_no_affordable_anchor_the_composition_is_the_dp():
+@pytest.mark.parametrize("tree", [False, True])
+def test_with_no_affordable_anchor_the_composition_is_the_dp(tree):
     depths, prompts = branching(1)
-    report = compare(depths, prompts, replay_cost(max(BUDGETS) * S + 1))
+    report = compare(depths, prompts, replay_cost(max(BUDGETS) * S + 1), tree=random_tree(depths, 1) if tree else None)
     configs = report["configs"]
     assert configs["dp_replay"] == configs["dp"]
     assert configs["replay"]["anchor_entries"] == [0] * 7
@@ -174,9 +241,14 @@ def test_storage_on_workload_compares_anchors_with_grids_and_the_dp_at_equal_byt
     grid = np.array([0, 4, 4, 40 - 32, 40 - 32, 40 - 32, 65 - 64]) * 256
     assert out["checkpoint_every_8192_recompute_tokens"] == pytest.approx(grid.mean())
     none, as_grid, rich = out["dp_at_equal_bytes"]
-    assert none == {"states": 0, "expected_recompute_tokens": pytest.approx(depths.mean() * 256)}
+    assert none == {"states": 0, "state_copies": 0, "expected_recompute_tokens": pytest.approx(depths.mean() * 256)}
     assert as_grid["states"] == 65 * 256 // 8192 and as_grid["expected_recompute_tokens"] <= grid.mean()
-    assert rich["states"] == 65 and rich["expected_recompute_tokens"] == 0.0
+    assert rich["states"] == 3 and rich["expected_recompute_tokens"] == 0.0          # a state at 4, 40 and 65
+    # Two copies of every page: the same bytes per cached token buy the same depths.
+    doubled = storage_on_workload(depths, page_tokens=256, state_bytes=1000, bytes_per_token=[1000 / 8192],
+                                  family=np.zeros(7, dtype=np.int64), copies=np.full((1, 65), 2))
+    assert doubled["cached_pages"] == 130 and doubled["dp_at_equal_bytes"][0]["states"] == as_grid["states"]
+    assert doubled["dp_at_equal_bytes"][0]["state_copies"] == 2 * as_grid["states"]
 
 
 def test_placement_eval_cli_with_replay(tmp_path, capsys, model_dir):  # noqa: F811
