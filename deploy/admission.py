@@ -112,6 +112,8 @@ class PolicyAdmission(Admission):
         self._fcfs_this_step = False
         self._step = 0
         self._queue = None
+        #: When a list (the scheduler's step log is on): ``[observation, action]`` of each policy answer.
+        self.decision_log: list | None = None
 
     def begin_step(self) -> None:
         self._fcfs_this_step = False
@@ -178,6 +180,8 @@ class PolicyAdmission(Admission):
         finally:
             self.stats.policy_ns += time.perf_counter_ns() - start
         self.stats.decisions += 1
+        if self.decision_log is not None:
+            self.decision_log.append([point.observation.tolist(), int(add)])
         if add:
             self.stats.adds += 1
             return candidate

@@ -24,14 +24,23 @@ Configuration (``additional_config["feather"]``, keys of :class:`FeatherConfig`)
 engine from starting; ``"fcfs"``:
 warn and schedule FCFS), ``max_wait_s`` (waiting-time bound, default 10 s) and ``device``
 (``"cpu"`` default, or ``"cuda"``).
+
+The online loop: every step that computes something is logged (:mod:`deploy.step_log`: the
+last ``step_log_ring`` steps in memory, ``scheduler.step_log.recent()``, and with ``step_log``
+a rotating JSONL file of at most ``step_log_max_bytes`` bytes plus ``step_log_backups`` older
+files), and an ONNX policy file is watched (:mod:`deploy.policy_reload`, at most once per
+``policy_reload_s`` seconds; ``None`` switches it off): a changed file that passes the contract
+check replaces the policy between two steps, a bad one is refused and the old one keeps serving.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 
 from deploy.vllm_compat import require_supported_vllm
 
@@ -44,6 +53,9 @@ from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from cache_core.cht import ChunkedHashTree  # noqa: E402
 from deploy.admission import Admission, FCFSAdmission, PolicyAdmission  # noqa: E402
 from deploy.plugin_config import config_section  # noqa: E402
+from deploy.policy_reload import PolicyReloader  # noqa: E402
+from deploy.step_log import StepLog, step_composition  # noqa: E402
+from feather_gym.costmodel.refit import LiveStep  # noqa: E402
 from feather_gym.policies import DEFAULT_MAX_WAIT_S  # noqa: E402
 from deploy.waiting_queue import CHTWaitingQueue  # noqa: E402
 
@@ -68,10 +80,26 @@ class FeatherConfig:
     on_policy_error: str = "refuse"
     max_wait_s: float = DEFAULT_MAX_WAIT_S
     device: str = "cpu"
+    step_log: str | None = None
+    step_log_max_bytes: int = 64 * 2**20
+    step_log_backups: int = 2
+    step_log_ring: int = 4096
+    policy_reload_s: float | None = 1.0
 
     def __post_init__(self) -> None:
         if self.on_policy_error not in ON_POLICY_ERROR:
             raise ValueError(f"feather.on_policy_error must be one of {ON_POLICY_ERROR}, got {self.on_policy_error!r}")
+
+    def make_step_log(self) -> StepLog:
+        return StepLog(ring_steps=self.step_log_ring, path=self.step_log, max_bytes=self.step_log_max_bytes,
+                       backups=self.step_log_backups)
+
+    def make_reloader(self) -> PolicyReloader | None:
+        """The watcher of the policy file; None for a policy that is no file or with reloading off."""
+        if self.policy_reload_s is None or not (self.policy or "").endswith(".onnx"):
+            return None
+        return PolicyReloader(self.policy, partial(load_deployable_policy, device=self.device),
+                              interval_s=self.policy_reload_s)
 
     @classmethod
     def from_additional_config(cls, additional_config: Mapping | None,
@@ -149,18 +177,50 @@ class FeatherSchedulingMixin:
                              "deploy.scheduler.FeatherAsyncScheduler")
         config = feather_config or FeatherConfig.from_additional_config(self.vllm_config.additional_config)
         self.waiting = CHTWaitingQueue(ChunkedHashTree(chunk_size=self.hash_block_size))
+        reloader = config.make_reloader()           # before loading: a change during the load is seen
         self.admission = build_admission(config, num_running=lambda: len(self.running),
                                          kv_usage=lambda: self.kv_cache_manager.usage,
                                          max_num_seqs=self.max_num_running_reqs,
                                          resumable=getattr(self, "resumable_blocks", None))
+        self.policy_reloader = reloader if isinstance(self.admission, PolicyAdmission) else None
+        self.step_log = config.make_step_log()
 
     def schedule(self, throttle_prefills: bool = False):
+        if self.policy_reloader is not None:
+            policy = self.policy_reloader.poll()    # between steps: the whole scan below is one policy's
+            if policy is not None:
+                self.admission.policy = policy
+        logging_on = self.step_log.enabled
+        start = self.step_log.clock() if logging_on else None
+        decisions = None
+        if logging_on and isinstance(self.admission, PolicyAdmission):
+            decisions = self.admission.decision_log = []
         with self.waiting.admitting(self.admission):
-            return super().schedule(throttle_prefills)
+            output = super().schedule(throttle_prefills)
+        if logging_on and output.total_num_scheduled_tokens:
+            self.step_log.begin(output, self._step_record(output, decisions or []), start)
+        return output
+
+    def _step_record(self, output, decisions: list) -> LiveStep:
+        """The log record of the step just scheduled (times are set when it ends)."""
+        return LiveStep(step=self.step_log.steps, time_unix_s=time.time(), step_wall_s=0.0, step_cpu_s=0.0,
+                        **step_composition(output, self.requests, self.hash_block_size),
+                        running=len(self.running), waiting=len(self.waiting),
+                        kv_usage=float(self.kv_cache_manager.usage), decisions=decisions,
+                        policy_version=self.policy_reloader.version if self.policy_reloader else 0)
+
+    def update_from_output(self, scheduler_output, model_runner_output):
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        self.step_log.end(scheduler_output)
+        return outputs
 
     def _free_request(self, request, delay_free_blocks: bool = False):
         self.waiting.finish_running(request)
         return super()._free_request(request, delay_free_blocks)
+
+    def shutdown(self) -> None:
+        self.step_log.close()
+        super().shutdown()
 
     def feather_stats(self) -> dict:
         """The admission's name and counters (decisions, fallbacks, forced admissions...)."""

@@ -3,7 +3,7 @@
 Usage::
 
     feather-train [--config FILE] [--workload SPEC ...] [--profile NAME] [--iterations N | --time-budget S]
-                  [--env-runners N] [--seed N] [--eval-fraction F] [--output DIR] [--resume CHECKPOINT]
+                  [--env-runners N] [--seed N] [--eval-fraction F] [--output DIR] [--resume RUN_DIR|CHECKPOINT]
                   [--ray-address ADDR] [--json]
     feather-train export CHECKPOINT -o policy.onnx [--profile NAME] [--workload SPEC ...] [--json]
 
@@ -13,6 +13,13 @@ cores. The final evaluation is held out: generated workloads on other seeds, tra
 later ``--eval-fraction`` of their arrival span. Bad input (unknown workload, missing profile,
 corrupted checkpoint, overlapping seed sets) exits with status 2 and a one-line
 ``feather-train: error: ...``.
+
+``--resume RUN_DIR --profile NEW`` fine-tunes a finished run on another cost-model profile (e.g.
+one ``feather profile refit`` wrote from the live engine's steps): it restores
+``RUN_DIR/checkpoint`` and takes the run's settings from ``RUN_DIR/summary.json`` (workloads, KV
+capacity, network, PPO and seeds), except where it ran and for how long; a config file and
+flags override them. ``--resume CHECKPOINT`` restores a bare RLlib checkpoint with this run's
+settings.
 """
 
 from __future__ import annotations
@@ -50,7 +57,8 @@ def build_train_parser() -> argparse.ArgumentParser:
                         help="share of a trace file's arrival span held out, at its end, for the final evaluation "
                              f"(default {defaults.eval_fraction}; generated workloads are held out by seed)")
     parser.add_argument("--output", dest="output_dir", type=Path, help="output folder (default runs/feather-<UTC time>)")
-    parser.add_argument("--resume", type=Path, metavar="CHECKPOINT", help="continue from an RLlib checkpoint")
+    parser.add_argument("--resume", type=Path, metavar="RUN_DIR|CHECKPOINT",
+                        help="fine-tune from a previous run's folder (its checkpoint and settings) or an RLlib checkpoint")
     parser.add_argument("--warm-start", metavar="BASELINE",
                         help=f"baseline cloned into the network before PPO, or none (default {defaults.warm_start})")
     parser.add_argument("--ray-address", help="train on an existing Ray cluster (e.g. auto, ray://host:10001); "
@@ -72,11 +80,29 @@ def build_export_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: Settings a resumed run does not take over from the run it continues: where and how long it runs.
+NOT_RESUMED = ("output_dir", "resume", "iterations", "time_budget_s", "ray_address", "warm_start")
+
+
+def resumed_run(resume: Path) -> tuple[Path, dict]:
+    """(the checkpoint, the settings) ``--resume`` continues: a run folder's ``checkpoint/`` and its
+    ``summary.json`` settings less :data:`NOT_RESUMED`, or a checkpoint folder with no settings."""
+    run = Path(resume)
+    if not (run / "checkpoint").is_dir():
+        return run, {}
+    summary = run / "summary.json"
+    settings = json.loads(summary.read_text())["config"] if summary.is_file() else {}
+    return run / "checkpoint", {key: value for key, value in settings.items() if key not in NOT_RESUMED}
+
+
 def run_train(args: argparse.Namespace) -> int:
     from trainer.train import train
 
     file_settings = load_config_file(args.config) if args.config else {}
     flags = {k: v for k, v in vars(args).items() if k not in ("config", "json")}
+    if args.resume is not None:
+        flags["resume"], run_settings = resumed_run(args.resume)
+        file_settings = {**run_settings, **file_settings}
     summary = train(build_config(file_settings, flags))
     print(f"wrote {summary['policy']}, {Path(summary['policy']).parent / 'summary.json'}; "
           f"trained {summary['train_s']:.0f} s, total {summary['total_s']:.0f} s")

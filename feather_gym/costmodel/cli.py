@@ -1,4 +1,9 @@
-"""``feather profile run|fit|analytic|prefill``: profile decode steps, fit and check cost models.
+"""``feather profile run|fit|analytic|prefill|refit``: profile decode steps, fit and check cost models.
+
+``feather profile refit --from-logs LOG... --profile BASE --output NEW.json [--json]`` fits the
+step-time model to engine steps the Feather scheduler logged live (``additional_config
+["feather"]["step_log"]``), (with the base profile's rows too with ``--with-base``), and prints the
+error on held-out live steps before (BASE) and after (NEW); see :mod:`.refit`.
 
 ``feather profile prefill --model hybrid|DIR --backend torch|vllm --lengths 256,512,...
 --out FILE [--json]`` times prefills of fresh prompts from 0 and fits the prefill-time model
@@ -156,8 +161,31 @@ def _prefill(args) -> int:
     return 0
 
 
+def _refit(args) -> int:
+    from .model import profile_path
+    from .profile_io import load_profile, save_profile
+    from .refit import read_step_logs, refit_profile
+
+    steps, skipped = read_step_logs(args.from_logs)
+    profile, report = refit_profile(load_profile(profile_path(args.profile)), steps, clock=args.clock,
+                                    held_out_fraction=args.held_out_fraction, split=args.split, seed=args.seed,
+                                    with_base=args.with_base, name=args.name)
+    save_profile(profile, args.output)
+    report.update(skipped_lines=skipped, output=str(args.output))
+    print(f"{report['logged_steps']} logged steps ({report['unlike_chunk_steps']} with unlike prefill chunks left "
+          f"out, {skipped} unreadable lines); fit on {report['fit_live_steps']} live + {report['fit_base_rows']} "
+          f"base rows, {report['held_out_steps']} held out ({report['split']} split, {report['clock']} clock)")
+    for when, label in (("before", report["base_profile"]), ("after", profile["name"])):
+        print(f"  {when:6} ({label}): MAPE {report[f'mape_{when}']:.1%}, p90 {report[f'p90_ape_{when}']:.1%}, "
+              f"total time {report[f'total_time_bias_{when}']:+.1%}")
+    print(f"wrote {args.output}")
+    if args.json:
+        print(json.dumps(report))
+    return 0
+
+
 def register(commands) -> None:
-    """Add ``feather profile run|fit|analytic|prefill``."""
+    """Add ``feather profile run|fit|analytic|prefill|refit``."""
     from .shapes import MODEL_PRESETS
 
     profile = commands.group("profile", help="profile decode steps and fit step-time cost models")
@@ -196,3 +224,21 @@ def register(commands) -> None:
     prefill.add_argument("--out", required=True, help="prefill-time JSON file to write")
     prefill.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     prefill.set_defaults(func=_prefill)
+    refit = profile.add_parser("refit", help="refit a profile on steps the live engine logged; held-out error before/after")
+    refit.add_argument("--from-logs", nargs="+", required=True, metavar="LOG",
+                       help="step-log JSONL files of the Feather scheduler (rotated ones too)")
+    refit.add_argument("--profile", required=True, help="base profile file or shipped name")
+    refit.add_argument("--output", required=True, help="refit profile JSON file to write")
+    refit.add_argument("--clock", choices=("wall", "cpu"), default=None,
+                       help="fit the steps' wall time or the engine thread's CPU time (default: the base profile's "
+                            "clock; the shipped vllm-cpu profile is CPU time)")
+    refit.add_argument("--held-out-fraction", type=float, default=0.3,
+                       help="share of the usable logged steps held out for the error (default 0.3)")
+    refit.add_argument("--split", choices=("random", "time"), default="random",
+                       help="hold out a seeded random draw (default) or the latest steps")
+    refit.add_argument("--seed", type=int, default=0, help="seed of the random split (default 0)")
+    refit.add_argument("--with-base", action="store_true",
+                       help="fit the base profile's rows together with the live steps (default: the live steps alone)")
+    refit.add_argument("--name", default=None, help="name of the new profile (default: BASE-refit)")
+    refit.add_argument("--json", action="store_true", help="print the report as one JSON object on the last line")
+    refit.set_defaults(func=_refit)
