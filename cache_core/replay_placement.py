@@ -133,15 +133,14 @@ def load_replay_report(path: str) -> dict:
                              "(write it with `feather replay eval --json`)") from None
 
 
-def spread_anchors(num_positions: int, exact: np.ndarray, count: int) -> np.ndarray:
-    """Sorted anchor positions: every boundary in ``1..N`` without an exact state when ``count``
-    covers them all, else ``count`` of them evenly spread (the deepest free boundary included)."""
-    free = np.setdiff1d(np.arange(1, num_positions + 1), exact)
-    if count >= free.size:
-        return free
+def spread_anchors(num_positions: int, count: int) -> np.ndarray:
+    """Sorted anchored depths: every boundary in ``1..N`` when ``count >= N``, else ``count`` of
+    them evenly spread, the deepest included (none for ``count <= 0``)."""
+    if count >= num_positions:
+        return np.arange(1, num_positions + 1)
     if count <= 0:
-        return free[:0]
-    return free[np.unique(free.size - 1 - (np.arange(count) * free.size) // count)]
+        return np.zeros(0, dtype=np.int64)
+    return np.unique(num_positions - (np.arange(count) * num_positions) // count)
 
 
 def resume_with_anchors(at_exact: np.ndarray, at_anchor: np.ndarray, *, block_size: int, prompt_tokens=None,
@@ -293,11 +292,11 @@ def compare_at_equal_bytes(depths, *, block_size: int, budgets: list[int], state
         low, high = 0, n
         while low < high:
             mid = (low + high + 1) // 2
-            if held(spread_anchors(n, none, mid), placements) * replay.entry_bytes <= budget_bytes:
+            if held(spread_anchors(n, mid), placements) * replay.entry_bytes <= budget_bytes:
                 low = mid
             else:
                 high = mid - 1
-        return spread_anchors(n, none, low)
+        return spread_anchors(n, low)
 
     def evaluate(allocation: dict, anchors: np.ndarray) -> dict:
         resume, replayed = resume_with_anchors(allocation["at_exact"], resume_positions(anchors, depths),

@@ -51,14 +51,13 @@ def random_tree(depths, seed: int):
     return family, copies
 
 
-@pytest.mark.parametrize("count", [0, 1, 3, 7, 30, 100])
-def test_spread_anchors_avoid_exact_states_and_fill_every_free_boundary_when_they_can(count):
-    exact = np.array([3, 9, 20])
-    anchors = spread_anchors(25, exact, count)
-    assert anchors.size == min(count, 22) and np.all(np.diff(anchors) > 0)
-    assert not set(anchors) & set(exact) and anchors.min(initial=1) >= 1 and anchors.max(initial=25) <= 25
-    if 0 < count < 22:
-        assert anchors[-1] == 25                    # the deepest free boundary is always anchored
+@pytest.mark.parametrize("count", [0, 1, 3, 7, 24, 25, 100])
+def test_spread_anchors_are_evenly_spaced_distinct_depths_and_every_one_when_they_can(count):
+    anchors = spread_anchors(25, count)
+    assert anchors.size == min(count, 25) and np.all(np.diff(anchors) > 0)
+    assert anchors.min(initial=1) >= 1 and anchors.max(initial=25) <= 25
+    if 0 < count:
+        assert anchors[-1] == 25 and np.diff(anchors, prepend=0).max() <= -(-25 // count)   # the deepest included
 
 
 def test_resume_takes_the_anchor_only_when_it_is_cheaper():
