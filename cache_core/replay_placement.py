@@ -258,7 +258,7 @@ def compare_at_equal_bytes(depths, *, block_size: int, budgets: list[int], state
     ``state_copies`` and ``anchor_copies`` (tree nodes holding them), ``anchor_entries`` (depths
     where some node holds an anchor),
     ``state_bytes``, ``anchor_bytes``, ``total_bytes`` (<= the budget), ``bytes_per_cached_token``
-    (over ``copies.sum() * block_size`` tokens), ``expected_recompute_tokens`` (matched prefix
+    (over ``copies.sum() * block_size`` tokens, 0 when nothing is hit), ``expected_recompute_tokens`` (matched prefix
     recomputed, mean over requests), ``replay_hit_fraction``, with a prefill model
     ``ttft_est_ms`` (mean, rebuild included), and with a measured replay quality
     ``expected_kl_nats`` (replay hits x KL: the mean over requests of the next-token KL their
@@ -308,7 +308,7 @@ def compare_at_equal_bytes(depths, *, block_size: int, budgets: list[int], state
         out = {"states_stored": allocation["states"], "state_copies": allocation["copies"],
                "anchor_entries": int(np.count_nonzero(by_depth)), "anchor_copies": anchor_copies, "state_bytes": stored,
                "anchor_bytes": anchored, "total_bytes": stored + anchored,
-               "bytes_per_cached_token": (stored + anchored) / (int(copies.sum()) * block_size),
+               "bytes_per_cached_token": (stored + anchored) / (max(int(copies.sum()), 1) * block_size),
                "expected_recompute_tokens": float((depths - resume).mean() * block_size),
                "replay_hit_fraction": float(replayed.mean())}
         if prefill is not None:

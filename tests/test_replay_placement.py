@@ -135,6 +135,16 @@ def test_dp_allocations_per_family_are_each_familys_dp_and_cut_recompute_at_ever
     assert [a["states"] for a in single] == list(range(len(np.unique(depths)) + 1))
 
 
+def test_a_workload_without_hits_stores_nothing_useful_and_recomputes_nothing():
+    depths, prompts = np.zeros(5, dtype=np.int64), np.full(5, 100)
+    report = compare(depths, prompts, replay_cost(S // 9), budgets=[0, 2],
+                     tree=hit_tree_copies([[i] for i in range(5)], depths))
+    assert report["cached_pages"] == 0
+    for name, row in report["configs"].items():
+        assert row["total_bytes"] == [0, 0] and row["expected_recompute_tokens"] == [0.0, 0.0], name
+        assert row["bytes_per_cached_token"] == [0.0, 0.0] and row["replay_hit_fraction"] == [0.0, 0.0], name
+
+
 def test_hit_tree_copies_count_distinct_pages_on_matched_paths_per_family():
     # Families 1.. and 9..; family 1 branches after its first page; the last request has no full page.
     digests = [[1, 2, 3], [1, 2, 4], [1, 5, 6], [9, 9, 9], [1, 5, 7], [9, 9, 8], []]
