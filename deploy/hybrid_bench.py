@@ -92,9 +92,10 @@ def add_recompute(result: dict) -> dict:
     if result["reference"] != "vllm":
         return result
     base = sides["vllm"]
+    base_recomputed = base["recomputed_prompt_tokens"]
     result["vs_vllm"] = {
-        label: {"recompute_reduction_pct": (100 * (1 - side["recomputed_prompt_tokens"] / base["recomputed_prompt_tokens"])
-                                            if base["recomputed_prompt_tokens"] else 0.0),
+        label: {"recompute_reduction_pct": (100 * (1 - side["recomputed_prompt_tokens"] / base_recomputed)
+                                            if base_recomputed else 0.0),
                 "ttft_p50_speedup_x": (base["ttft_p50_s"] / side["ttft_p50_s"]) if side["ttft_p50_s"] else None,
                 "throughput_ratio": result["ratios"][label]["mean"]}
         for label, side in sides.items() if label != "vllm"}
@@ -107,7 +108,7 @@ def hybrid_bench(*, model: str = "trained", workloads: dict[str, str] | None = N
                  text: bool = True, seed: int = 0, sides: tuple[str, ...] = SIDES,
                  replay_tokens: int = DEFAULT_REPLAY_TOKENS, anchor_share: float = DEFAULT_ANCHOR_SHARE) -> dict:
     """The whole report: one engine on the hybrid model, :func:`run_schedulers` per workload."""
-    import deploy.replay_layer  # noqa: F401  (SuffixReplay's GDN layer, registered before the engine starts)
+    from deploy.replay_layer import register_replay_layer
     from transformers import AutoTokenizer
 
     from feather_gym.hybrid.model import SPECS, ensure_hybrid_hf
@@ -125,6 +126,7 @@ def hybrid_bench(*, model: str = "trained", workloads: dict[str, str] | None = N
         traces = {name: texturize(trace, corpus) for name, trace in traces.items()}
     longest = max(r.input_len + r.output_len for t in traces.values() for r in t)
     kv_cache_gib = resolve_kv_cache_gib(kv_cache_gib, default=DEFAULT_KV_CACHE_GIB)
+    register_replay_layer()                   # SuffixReplay's GDN layer, before the engine starts
     llm = start_engine(model_dir, dtype="bfloat16", max_model_len=max(4096, longest), seed=seed,
                        kv_cache_gib=kv_cache_gib)
     capacity = kv_capacity(llm)

@@ -1,8 +1,8 @@
 """SuffixReplay in the vLLM worker: a Gated DeltaNet layer that rebuilds and records its own state.
 
-Importing this module replaces vLLM's ``QwenGatedDeltaNetAttention`` by :class:`ReplayGDN`
+:func:`register_replay_layer` replaces vLLM's ``QwenGatedDeltaNetAttention`` by :class:`ReplayGDN`
 through vLLM's out-of-tree layer registry (``PluggableLayer.register_oot``), for every model
-built afterwards in this process. Import it **before** the engine starts; without a plan,
+built afterwards in this process. Call it **before** the engine starts; without a plan,
 :class:`ReplayGDN` is vLLM's layer unchanged (it computes exactly what vLLM's does).
 
 The scheduler (:mod:`deploy.replay_scheduler`) and the layers share one in-process
@@ -45,7 +45,7 @@ from deploy.vllm_compat import require_supported_vllm
 require_supported_vllm()  # before touching vLLM internals
 
 from vllm.forward_context import get_forward_context  # noqa: E402
-from vllm.model_executor.custom_op import PluggableLayer  # noqa: E402
+from vllm.model_executor.custom_op import PluggableLayer, op_registry_oot  # noqa: E402
 from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention  # noqa: E402
 from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata  # noqa: E402
 
@@ -131,7 +131,6 @@ def _metadata(prefix: str, metadata: GDNAttentionMetadata):
         context[prefix] = saved
 
 
-@PluggableLayer.register_oot(name="QwenGatedDeltaNetAttention")
 class ReplayGDN(QwenGatedDeltaNetAttention):
     """vLLM's Qwen Gated DeltaNet layer, plus the captures and rebuilds of :data:`PLAN`."""
 
@@ -164,3 +163,10 @@ class ReplayGDN(QwenGatedDeltaNetAttention):
                     super().forward_cpu(anchors.to(hidden_states.dtype))
                 PLAN.rebuild_s += time.perf_counter() - started
                 PLAN.rebuilt_states += 1
+
+
+def register_replay_layer() -> None:
+    """Have vLLM build :class:`ReplayGDN` wherever a model asks for ``QwenGatedDeltaNetAttention``,
+    for every engine started afterwards in this process (idempotent)."""
+    if op_registry_oot.get(QwenGatedDeltaNetAttention.__name__) is not ReplayGDN:
+        PluggableLayer.register_oot(ReplayGDN, name=QwenGatedDeltaNetAttention.__name__)

