@@ -8,8 +8,9 @@ STOP admitting for this engine step.
 implementation      behaviour
 ==================  ===========================================================================
 FCFSAdmission       the queue's FCFS head, always ADD: the order of vLLM's default scheduler
-PolicyAdmission     the CHT's best candidate; a deployable :class:`feather_gym.policies.Policy`
-                    (the Feather rule, or a trained ONNX policy) decides ADD/STOP on it
+PolicyAdmission     the CHT's top ``k`` candidates (``k = policy.num_candidates``, 1: its best);
+                    a deployable :class:`feather_gym.policies.Policy` (the Feather rule, or a
+                    trained ONNX policy) admits one of them or STOPs
 ==================  ===========================================================================
 
 :class:`PolicyAdmission` is the scheduler's :class:`~feather_gym.observation.AdmissionView`,
@@ -24,7 +25,8 @@ order, are the simulator's (:mod:`feather_gym.simulator`, step 3):
    check would.
 4. No idling: with nothing running, the best candidate is admitted (a STOP would leave the
    engine with no work).
-5. The policy's answer on the candidate. Only the policy call is guarded: when it raises (a
+5. The policy's action on the candidates (0 STOP, ``i`` admits slot ``i - 1``; an empty slot is
+   STOP, :func:`~feather_gym.observation.chosen_slot`). Only the policy call is guarded: when it raises (a
    non-finite output, a broken runtime), the rest of this engine step is FCFS; the engine keeps
    serving, and the fallback is counted in :class:`AdmissionStats` and logged (the first time
    and at every power of two). A failure while building the observation is a bug and raises.
@@ -38,7 +40,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-from feather_gym.observation import DecisionPoint
+from feather_gym.observation import DEFAULT_NUM_CANDIDATES, DecisionPoint
 from feather_gym.policies import DEFAULT_MAX_WAIT_S
 
 logger = logging.getLogger(__name__)
@@ -164,15 +166,17 @@ class PolicyAdmission(Admission):
         num_running = self.num_running
         if num_running >= self.max_num_seqs:
             return None
-        candidate = queue.best()
+        k = getattr(self.policy, "num_candidates", DEFAULT_NUM_CANDIDATES)
+        candidates = queue.candidates(k)
         if num_running == 0:
             self.stats.forced_idle += 1
-            return candidate
+            return candidates[0]
         start = time.perf_counter_ns()
-        point = DecisionPoint(self, candidate.request_id, self._step)
-        point.raw   # built outside the guard below: a bug here raises rather than falling back
+        point = DecisionPoint(self, [c.request_id for c in candidates], self._step, k)
+        point.raw_rows   # built outside the guard below: a bug here raises rather than falling back
         try:
-            add = self.policy.decide(point)
+            action = self.policy.decide(point)
+            slot = point.slot(action)
         except Exception as exc:  # any policy failure degrades to FCFS, never stops serving
             self._fall_back(exc)
             self.stats.fcfs_admissions += 1
@@ -181,10 +185,10 @@ class PolicyAdmission(Admission):
             self.stats.policy_ns += time.perf_counter_ns() - start
         self.stats.decisions += 1
         if self.decision_log is not None:
-            self.decision_log.append([point.observation.tolist(), int(add)])
-        if add:
+            self.decision_log.append([point.observation.tolist(), int(action)])
+        if slot is not None:
             self.stats.adds += 1
-            return candidate
+            return candidates[slot]
         self.stats.stops += 1
         return None
 

@@ -22,7 +22,8 @@ Invariants:
 * every request popped (admitted) and not yet finished or prepended again is in
   ``_running`` and active in the tree.
 
-Costs: add/remove/pop O(tree update); FCFS front O(1); best candidate O(tree ``find_best``).
+Costs: add/remove/pop O(tree update); FCFS front O(1); best candidate O(tree ``find_best``);
+``k`` candidates O(tree ``top_candidates``).
 """
 
 from __future__ import annotations
@@ -75,6 +76,11 @@ class CHTWaitingQueue(RequestQueue):
     def best(self) -> Request:
         """The CHT's best candidate: fewest chunks missing from the running set. O(log W)."""
         return self._fcfs[self.tree.find_best()]
+
+    def candidates(self, k: int) -> list[Request]:
+        """The CHT's ``k`` candidates (``tree.top_candidates``): the best request of each of its
+        ``k`` best prefix groups, ``best()`` first; fewer when fewer groups wait."""
+        return [self._fcfs[request_id] for request_id in self.tree.top_candidates(k)]
 
     def waiting_request(self, request_id) -> Request:
         """The waiting request with ``request_id`` (KeyError if it is not waiting). O(1)."""

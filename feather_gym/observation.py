@@ -34,9 +34,24 @@ resume, so ``candidate_cached_fraction`` counts the shared blocks the view says 
 attention KV read once), which recurrent states do not change, and count every shared block.
 
 Features 0-2 are the Feather paper's; 3-8 are extras. All raw values are non-negative, so every
-offset is 0 and the normalised range is ``[0, OBS_CLIP]``. Changing a feature, its unit, its
-order or its normalisation requires bumping :data:`OBS_VERSION`; ONNX policies carry the
-contract they were trained with and are refused on mismatch (:mod:`feather_gym.policy_runtime`).
+offset is 0 and the normalised range is ``[0, OBS_CLIP]``.
+
+Candidates and actions (``k`` = ``num_candidates``, default 1). At a decision point the CHT
+offers up to ``k`` candidates, the best waiting request of each of its ``k`` best prefix groups
+(``ChunkedHashTree.top_candidates``), best first; slot 0 is always filled (the CHT's best, the
+one candidate of ``k = 1``). The observation is float32 of :func:`observation_size` ``= k * F + k
+- 1``: the ``k`` rows of the features above (row ``i`` = candidate ``i``, one definition,
+:func:`raw_features`; an empty slot's row is all zeros), flattened row by row, then the
+validity mask of slots ``1 .. k-1`` (1.0 filled, 0.0 empty; slot 0 needs none). Actions are
+``Discrete(k + 1)``: 0 STOP, ``i`` admits candidate ``i - 1`` (:func:`chosen_slot`). Choosing
+an empty slot is STOP, everywhere (simulator, env, vLLM): the mask tells the policy which slots
+are filled, and an invalid choice never admits anything. ``k = 1`` is ADD/STOP on the CHT's best
+candidate: its observation is exactly the 9 features and its actions are ``(STOP, ADD)``.
+
+Changing a feature, its unit, its order, its normalisation or this layout requires bumping
+:data:`OBS_VERSION`; ONNX policies carry the contract (and ``k``) they were trained with and are
+refused on mismatch (:mod:`feather_gym.policy_runtime`). ``feather-obs-2`` files, from before
+``k`` existed, are the ``k = 1`` contract of ``feather-obs-3`` and are accepted as such.
 """
 
 from __future__ import annotations
@@ -47,7 +62,9 @@ import numpy as np
 
 from cache_core.cht import ChunkedHashTree
 
-OBS_VERSION = "feather-obs-2"
+OBS_VERSION = "feather-obs-3"
+#: The contract before the candidate count existed: equal to :data:`OBS_VERSION` with ``k = 1``.
+LEGACY_OBS_VERSION = "feather-obs-2"
 
 FEATURE_NAMES: tuple[str, ...] = (
     "batch_size",
@@ -79,13 +96,51 @@ OBS_NORMALIZATION: dict[str, tuple[float, float]] = {
 #: Upper clip of every normalised feature (the lower clip is 0).
 OBS_CLIP = 8.0
 
-#: Action ids: STOP = 0 ends admission for this engine step, ADD = 1 admits the candidate.
+#: Action ids: STOP = 0 ends admission for this engine step, ADD = 1 admits the (first) candidate.
 ACTION_MEANINGS: tuple[str, ...] = ("STOP", "ADD")
 STOP, ADD = 0, 1
+#: Candidates a policy chooses among unless it says otherwise (1: ADD/STOP).
+DEFAULT_NUM_CANDIDATES = 1
 
 NUM_FEATURES = len(FEATURE_NAMES)
 _OFFSET = np.array([OBS_NORMALIZATION[n][0] for n in FEATURE_NAMES], dtype=np.float32)
 _INV_SCALE = np.array([1.0 / OBS_NORMALIZATION[n][1] for n in FEATURE_NAMES], dtype=np.float32)
+
+
+def check_num_candidates(k: int) -> int:
+    """``k`` as an int, or ``ValueError`` unless it is a whole number >= 1."""
+    if isinstance(k, bool) or int(k) != k or k < 1:
+        raise ValueError(f"num_candidates must be an integer >= 1, got {k!r}")
+    return int(k)
+
+
+def observation_size(k: int) -> int:
+    """Length of the observation with ``k`` candidate slots: ``k`` feature rows and ``k - 1`` mask entries."""
+    return check_num_candidates(k) * NUM_FEATURES + k - 1
+
+
+def num_candidates_for(size: int) -> int:
+    """The ``k`` whose :func:`observation_size` is ``size`` (``ValueError`` when there is none)."""
+    k, rest = divmod(size + 1, NUM_FEATURES + 1)
+    if rest or k < 1:
+        raise ValueError(f"{size} is not an observation size (k * {NUM_FEATURES} features + k - 1 mask entries)")
+    return k
+
+
+def action_meanings(k: int) -> tuple[str, ...]:
+    """Names of the ``k + 1`` actions: STOP, then ADD (``k = 1``) or ADD_1 .. ADD_k (admit slot i - 1)."""
+    return ACTION_MEANINGS if check_num_candidates(k) == 1 else ("STOP", *(f"ADD_{i}" for i in range(1, k + 1)))
+
+
+def chosen_slot(action: int, num_filled: int, k: int) -> int | None:
+    """The candidate slot ``action`` admits, or None for STOP.
+
+    0 is STOP; ``i`` in ``1..k`` admits slot ``i - 1``, and is STOP when that slot is empty
+    (``i > num_filled``). An action outside ``0..k`` is a caller's bug: ``ValueError``.
+    """
+    if not 0 <= action <= k:
+        raise ValueError(f"action {action!r} is outside 0..{k} (STOP, then one per candidate slot)")
+    return action - 1 if 0 < action <= num_filled else None
 
 
 class AdmissionView(Protocol):
@@ -156,20 +211,29 @@ def observe(view: AdmissionView, candidate) -> np.ndarray:
 
 
 class DecisionPoint:
-    """One ADD/STOP decision: ``candidate`` in ``view``'s state at engine step ``step``.
+    """One decision: STOP, or admit one of ``candidates`` in ``view``'s state at engine step ``step``.
 
     What a policy (:mod:`feather_gym.policies`) reads, in the simulator and in vLLM alike.
-    ``raw`` and ``observation`` are computed on first access only, so a policy that reads
-    neither (always-ADD) costs no feature work.
+    ``candidates`` (1..``num_candidates`` request ids, best first) fill the slots; ``candidate``
+    is slot 0, and ``raw`` its features (what ADD/STOP policies read). ``raw_rows`` (``[k, F]``,
+    empty slots zero), ``mask`` (``[k]`` bool, slot filled) and ``observation``
+    (:func:`observation_size` floats, see the module doc) are computed on first access only, so
+    a policy that reads none of them (always-ADD) costs no feature work.
     """
 
-    __slots__ = ("view", "candidate", "step", "batch_size", "_raw", "_observation")
+    __slots__ = ("view", "candidates", "num_candidates", "step", "batch_size", "_raw", "_rows", "_observation")
 
-    def __init__(self, view: AdmissionView, candidate, step: int) -> None:
-        self.view, self.candidate, self.step = view, candidate, step
+    def __init__(self, view: AdmissionView, candidates, step: int, num_candidates: int = DEFAULT_NUM_CANDIDATES) -> None:
+        self.candidates = tuple(candidates)
+        if not 1 <= len(self.candidates) <= check_num_candidates(num_candidates):
+            raise ValueError(f"{len(self.candidates)} candidates for {num_candidates} slots (at least 1)")
+        self.view, self.step, self.num_candidates = view, step, num_candidates
         self.batch_size = view.num_running
-        self._raw = None
-        self._observation = None
+        self._raw = self._rows = self._observation = None
+
+    @property
+    def candidate(self):
+        return self.candidates[0]
 
     @property
     def raw(self) -> np.ndarray:
@@ -178,21 +242,52 @@ class DecisionPoint:
         return self._raw
 
     @property
+    def raw_rows(self) -> np.ndarray:
+        if self._rows is None:
+            rows = np.zeros((self.num_candidates, NUM_FEATURES))
+            rows[0] = self.raw
+            for slot, candidate in enumerate(self.candidates[1:], 1):
+                rows[slot] = raw_features(self.view, candidate)
+            self._rows = rows
+        return self._rows
+
+    @property
+    def mask(self) -> np.ndarray:
+        return np.arange(self.num_candidates) < len(self.candidates)
+
+    @property
     def observation(self) -> np.ndarray:
         if self._observation is None:
-            self._observation = normalise(self.raw)
+            if self.num_candidates == 1:
+                self._observation = normalise(self.raw)
+            else:
+                self._observation = np.concatenate((normalise(self.raw_rows).ravel(),
+                                                    self.mask[1:].astype(np.float32)))
         return self._observation
 
+    def slot(self, action: int) -> int | None:
+        """The slot ``action`` admits here, or None for STOP (:func:`chosen_slot`)."""
+        return chosen_slot(action, len(self.candidates), self.num_candidates)
 
-def observation_contract() -> dict[str, object]:
-    """This version's observation contract, keyed like an ONNX policy's ``feather.*`` metadata.
 
-    Values are decoded (lists and dicts); the exporter stores them JSON-encoded and the policy
-    runtime refuses a policy whose stored values differ from these.
+def observation_contract(k: int = DEFAULT_NUM_CANDIDATES) -> dict[str, object]:
+    """This version's observation contract with ``k`` candidates, keyed like an ONNX policy's
+    ``feather.*`` metadata.
+
+    Values are decoded (lists, dicts, ints); the exporter stores them JSON-encoded and the
+    policy runtime refuses a policy whose stored values differ from these.
     """
     return {
         "feather.obs_version": OBS_VERSION,
         "feather.feature_names": list(FEATURE_NAMES),
         "feather.obs_normalization": {name: [float(o), float(s)] for name, (o, s) in OBS_NORMALIZATION.items()},
-        "feather.action_meanings": list(ACTION_MEANINGS),
+        "feather.num_candidates": check_num_candidates(k),
+        "feather.action_meanings": list(action_meanings(k)),
     }
+
+
+def legacy_contract() -> dict[str, object]:
+    """The :data:`LEGACY_OBS_VERSION` contract: ``observation_contract(1)`` without the candidate count."""
+    contract = observation_contract(1)
+    del contract["feather.num_candidates"]
+    return {**contract, "feather.obs_version": LEGACY_OBS_VERSION}

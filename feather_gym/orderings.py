@@ -4,7 +4,8 @@ An ordering is the "queue" half of a scheduling policy (the policy's decision ru
 other half, see :mod:`feather_gym.policies`), shaped like vLLM v1's ``request_queue.py``:
 the simulator calls :meth:`WaitingOrder.add` when a request starts waiting (arrival, or
 re-queue after a preemption), :meth:`WaitingOrder.remove` when it is admitted, and
-:meth:`WaitingOrder.peek` for the next candidate. Orderings read the simulator's state
+:meth:`WaitingOrder.peek` for the next candidate (:meth:`WaitingOrder.candidates` for up to
+``k`` of them, when the policy chooses among several). Orderings read the simulator's state
 (the CHT, the prefix cache, the running set) through ``self.sim`` after :meth:`attach`.
 
 =================  ================================================================  =====================
@@ -12,7 +13,8 @@ ordering           candidate                                                    
 =================  ================================================================  =====================
 FCFSOrder          earliest arrival; preempted requests first (vLLM v1 FCFS)         O(log W) amortised
 CHTOrder           ``ChunkedHashTree.find_best()``: fewest chunks missing from the   the CHT's (O(log W))
-                   running working set
+                   running working set; ``candidates(k)``: the best of each of the
+                   k best prefix groups (``top_candidates``)
 LPMOrder           longest prefix resident in the KV cache (SGLang LPM); FCFS when   O(W x depth) per step
                    more than ``fcfs_beyond`` requests wait
 DFSWeightOrder     SGLang DFS-weight: depth-first over the cached-prefix tree,       O(W x depth) per step
@@ -52,6 +54,15 @@ class WaitingOrder(ABC):
     @abstractmethod
     def peek(self) -> int | None:
         """The next candidate, or None when nothing waits. Does not remove it."""
+
+    def candidates(self, k: int) -> list[int]:
+        """Up to ``k`` candidates to choose among, ``peek()`` first (``[]`` when nothing waits).
+
+        By default only ``peek()``: an ordering offers more only where its choices are natural
+        (the CHT's distinct prefix groups); the others stay ADD/STOP orderings at any ``k``.
+        """
+        best = self.peek()
+        return [] if best is None else [best]
 
 
 class FCFSOrder(WaitingOrder):
@@ -96,6 +107,9 @@ class CHTOrder(WaitingOrder):
 
     def peek(self) -> int | None:
         return self.sim.cht.find_best()
+
+    def candidates(self, k: int) -> list[int]:
+        return self.sim.cht.top_candidates(k)
 
 
 class _PerStepOrder(FCFSOrder):

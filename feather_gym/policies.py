@@ -1,12 +1,14 @@
-"""Scheduling policies for the Feather MDP: an ordering proposes, the policy says ADD or STOP.
+"""Scheduling policies for the Feather MDP: an ordering proposes, the policy admits one or STOPs.
 
-At every admission point the simulator shows a policy the candidate its ordering proposes
-(:mod:`feather_gym.orderings`) as an :class:`~feather_gym.simulator.AdmissionPoint`:
-``batch_size``, ``step``, the ``raw`` features and the normalised ``observation``
-(:class:`~feather_gym.observation.DecisionPoint`), plus the simulator-only ``request``, CHT
-``stats`` and ``sim``. Policies that read only the :class:`DecisionPoint` part and order by
-the CHT (the rule, trained policies) are *deployable*: :mod:`deploy.admission` runs the same
-objects inside vLLM.
+At every admission point the simulator shows a policy up to ``policy.num_candidates`` (``k``)
+candidates its ordering proposes (:mod:`feather_gym.orderings`; slot 0 is the ordering's own
+candidate) as an :class:`~feather_gym.simulator.AdmissionPoint`: ``batch_size``, ``step``,
+``candidates``, the ``raw`` features of slot 0, every slot's ``raw_rows`` and the normalised
+``observation`` (:class:`~feather_gym.observation.DecisionPoint`), plus the simulator-only
+``request``, CHT ``stats`` and ``sim`` (slot 0's). A policy answers an action: 0 STOP, ``i``
+admit slot ``i - 1`` (``k = 1``: STOP or ADD). Policies that read only the
+:class:`DecisionPoint` part and order by the CHT (the rule, cht-dfs, trained policies) are
+*deployable*: :mod:`deploy.admission` runs the same objects inside vLLM.
 
 ==============  ================  ============================================================
 name            ordering          decision
@@ -16,10 +18,13 @@ fcfs            FCFSOrder         always ADD: vLLM's default (the batch is bound
 lpm             LPMOrder          always ADD: SGLang's longest-prefix-match (FCFS beyond 128)
 dfs             DFSWeightOrder    always ADD: SGLang's DFS-weight
 feather-rule    CHTOrder          the threshold rule of the Feather vLLM pull request
+cht-dfs         CHTOrder, k = 4   always admits, choosing among the CHT's 4 candidate groups
+                                  the one with the most waiting requests (DFS-weight's
+                                  heavier-subtree-first as a k-way choice)
 group-label     GroupOrder        ADD within the running groups (the generators' group
                                   labels), else STOP once the batch reaches ``min_batch``;
                                   not an upper bound, and FCFS on traces without labels
-PATH.onnx       CHTOrder          a trained policy's greedy action on the observation
+PATH.onnx       CHTOrder, its k   a trained policy's greedy action on the observation
 ==============  ================  ============================================================
 
 :func:`make_policy` builds any of them by name. Policies are stateful only where documented
@@ -30,7 +35,9 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from feather_gym.observation import ADD, FEATURE_INDEX, STOP
+import numpy as np
+
+from feather_gym.observation import ADD, DEFAULT_NUM_CANDIDATES, FEATURE_INDEX, STOP
 from feather_gym.orderings import CHTOrder, DFSWeightOrder, FCFSOrder, GroupOrder, LPMOrder, WaitingOrder
 
 #: Waiting-time bound (seconds) of the admission, in the simulator and in the deployed
@@ -41,9 +48,14 @@ _LOSS, _SAME = FEATURE_INDEX["chunk_loss_tokens"], FEATURE_INDEX["same_prefix_wa
 
 
 class Policy(ABC):
-    """An admission policy: :meth:`make_order` gives its ordering, :meth:`decide` ADD (1) or STOP (0)."""
+    """An admission policy: :meth:`make_order` gives its ordering, :meth:`decide` an action.
+
+    ``num_candidates`` (``k``) is how many candidates it wants offered; a policy that answers
+    only STOP (0) or ADD (1, slot 0) works with points of any ``k``.
+    """
 
     name: str = ""
+    num_candidates: int = DEFAULT_NUM_CANDIDATES
 
     def make_order(self) -> WaitingOrder:
         """A fresh ordering for one simulation run (the CHT's best candidate by default)."""
@@ -54,7 +66,8 @@ class Policy(ABC):
 
     @abstractmethod
     def decide(self, point) -> int:
-        """ADD or STOP for ``point`` (an :class:`~feather_gym.simulator.AdmissionPoint`)."""
+        """The action for ``point`` (an :class:`~feather_gym.simulator.AdmissionPoint`): STOP (0),
+        or ``i`` to admit its slot ``i - 1`` (ADD = 1, the first candidate)."""
 
 
 class AlwaysAdd(Policy):
@@ -120,6 +133,23 @@ class FeatherRule(Policy):
         return ADD if point.batch_size < self.floor else STOP
 
 
+class HeaviestGroup(Policy):
+    """Always admits, choosing among the CHT's candidate groups the one with the most waiting
+    requests (feature ``same_prefix_waiting``; ties: the CHT's order). DFS-weight's heavier
+    subtree first, expressed as a k-way choice over the CHT's groups. Deployable (reads only
+    ``raw_rows``); stateless. Works on points of any ``k`` (ADD when only one is offered)."""
+
+    name = "cht-dfs"
+
+    def __init__(self, num_candidates: int = 4) -> None:
+        self.num_candidates = num_candidates
+
+    def decide(self, point) -> int:
+        if len(point.candidates) == 1:
+            return ADD
+        return ADD + int(np.argmax(point.raw_rows[:len(point.candidates), _SAME]))
+
+
 class GroupLabelPolicy(Policy):
     """Reads the group labels the generators write (``Request.group``): batches stay within
     running groups.
@@ -147,7 +177,8 @@ class GroupLabelPolicy(Policy):
 
 
 class OnnxFilePolicy(Policy):
-    """A trained policy file (``*.onnx``): greedy ADD/STOP on the observation, CHT candidates.
+    """A trained policy file (``*.onnx``): its greedy action on the observation, over as many
+    CHT candidates as it was trained with (``num_candidates``, from its metadata).
 
     The file is loaded, and its observation contract checked, when the policy is built
     (:class:`~feather_gym.policy_runtime.OnnxPolicy`; ``device`` "cpu" or "cuda"). Its
@@ -160,9 +191,10 @@ class OnnxFilePolicy(Policy):
         self.path = path
         self.name = path
         self.runtime = OnnxPolicy(path, device=device)
+        self.num_candidates = self.runtime.num_candidates
 
     def decide(self, point) -> int:
-        return ADD if self.runtime.decide(point.observation) else STOP
+        return self.runtime.act(point.observation)
 
 
 BASELINES = {
@@ -170,6 +202,7 @@ BASELINES = {
     "lpm": lambda: AlwaysAdd("lpm", LPMOrder),
     "dfs": lambda: AlwaysAdd("dfs", DFSWeightOrder),
     "feather-rule": FeatherRule,
+    "cht-dfs": HeaviestGroup,
     "group-label": GroupLabelPolicy,
 }
 

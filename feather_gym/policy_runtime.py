@@ -1,17 +1,18 @@
-"""The Feather ONNX policy at serving time: load, validate, decide ADD/STOP in microseconds.
+"""The Feather ONNX policy at serving time: load, validate, choose STOP or a candidate in microseconds.
 
-A policy file (the contract: input ``obs`` float32 ``[N, F]`` already
-normalised, output ``action_logits`` float32 ``[N, 2]``, ``feather.*`` metadata) is accepted
-only when its observation contract equals the one this code builds
-(:mod:`feather_gym.observation`): same ``OBS_VERSION``, feature names in the same order,
-same normalisation, same action meanings. Anything else is refused with
-:class:`PolicyLoadError` naming both versions, so a policy never sees numbers it was not
-trained on.
+A policy file (the contract: input ``obs`` float32 ``[N, F]`` already normalised, ``F =
+observation_size(k)``; output ``action_logits`` float32 ``[N, k + 1]``; ``feather.*`` metadata,
+``feather.num_candidates`` = ``k``) is accepted only when its observation contract equals the
+one this code builds for its ``k`` (:func:`feather_gym.observation.observation_contract`): same
+``OBS_VERSION``, feature names in the same order, same normalisation, same action meanings.
+``feather-obs-2`` files (before ``k`` existed) are read as ``k = 1``, whose observation and
+actions they share. Anything else is refused with :class:`PolicyLoadError` naming both
+versions, so a policy never sees numbers it was not trained on.
 
 Latency: one decision is one ``onnxruntime`` run on a ``[1, F]`` row. The session runs on a
 single thread with no thread pool (nothing spins on the serving cores) and through an
 ``IOBinding`` to preallocated input/output buffers, so a decision copies F floats in, runs
-the graph and reads two logits, without allocating.
+the graph and reads ``k + 1`` logits, without allocating.
 """
 
 from __future__ import annotations
@@ -23,13 +24,13 @@ from pathlib import Path
 
 import numpy as np
 
-from feather_gym.observation import observation_contract
+from feather_gym.observation import (LEGACY_OBS_VERSION, STOP, check_num_candidates, legacy_contract,
+                                     observation_contract, observation_size)
 
 logger = logging.getLogger(__name__)
 
 INPUT_NAME = "obs"
 OUTPUT_NAME = "action_logits"
-NUM_ACTIONS = 2
 #: Execution providers by the ``device`` argument of :class:`OnnxPolicy`.
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 
@@ -42,16 +43,27 @@ class PolicyOutputError(ValueError):
     """The policy returned non-finite logits for an observation."""
 
 
-def check_metadata(path: str | os.PathLike, metadata: dict[str, str]) -> None:
-    """Raise :class:`PolicyLoadError` unless ``metadata`` (raw strings) matches this version's
-    :func:`~feather_gym.observation.observation_contract`.
+def check_metadata(path: str | os.PathLike, metadata: dict[str, str]) -> int:
+    """The policy's candidate count ``k``; :class:`PolicyLoadError` unless ``metadata`` (raw
+    strings) matches this version's :func:`~feather_gym.observation.observation_contract` for
+    that ``k`` (or, for a ``feather-obs-2`` file, :func:`~feather_gym.observation.legacy_contract`).
 
     The message names the file, the field, and both the policy's and this build's observation
     versions.
     """
-    expected = observation_contract()
-    ours = expected["feather.obs_version"]
+    ours = observation_contract()["feather.obs_version"]
     theirs = metadata.get("feather.obs_version", "<missing>")
+    k = 1
+    if theirs == LEGACY_OBS_VERSION:
+        expected = legacy_contract()
+    else:
+        if theirs == ours and "feather.num_candidates" in metadata:
+            try:
+                k = check_num_candidates(json.loads(metadata["feather.num_candidates"]))
+            except (json.JSONDecodeError, ValueError, TypeError) as exc:
+                raise PolicyLoadError(f"{path}: metadata field 'feather.num_candidates' is "
+                                      f"{metadata['feather.num_candidates']!r}, not an integer >= 1") from exc
+        expected = observation_contract(k)
     for key, want in expected.items():
         if key not in metadata:
             raise PolicyLoadError(
@@ -65,12 +77,15 @@ def check_metadata(path: str | os.PathLike, metadata: dict[str, str]) -> None:
         if got != want:
             raise PolicyLoadError(
                 f"{path}: incompatible policy: it was trained for observation version {theirs!r}, "
-                f"this feather-gym builds {ours!r}; field {key!r} is {raw!r}, expected {json.dumps(want)!r}. "
+                f"this feather-gym builds {ours!r} (and reads {LEGACY_OBS_VERSION!r} as its one-candidate case); "
+                f"field {key!r} is {raw!r}, expected {json.dumps(want)!r}. "
                 "Retrain or re-export the policy for this version.")
+    return k
 
 
 class OnnxPolicy:
-    """A validated Feather ONNX policy; ``decide(obs)`` is True for ADD (action 1), False for STOP.
+    """A validated Feather ONNX policy over ``num_candidates`` = ``k`` slots: ``act(obs)`` is the
+    greedy action (0 STOP, ``i`` admit slot ``i - 1``), ``decide(obs)`` whether it admits at all.
 
     ``device="cpu"`` (default) runs the CPU execution provider: a tiny MLP is faster there
     than behind a GPU launch. ``device="cuda"`` uses CUDA only when onnxruntime can actually
@@ -104,11 +119,12 @@ class OnnxPolicy:
         if self.provider != PROVIDERS[device]:
             logger.warning("policy %s: %s is not available, running on %s", self.path, PROVIDERS[device], self.provider)
         self.metadata = dict(self._session.get_modelmeta().custom_metadata_map)
-        check_metadata(self.path, self.metadata)
-        self.num_features = len(observation_contract()["feather.feature_names"])
+        self.num_candidates = check_metadata(self.path, self.metadata)
+        self.num_features = observation_size(self.num_candidates)
+        self.num_actions = self.num_candidates + 1
         self._check_signature()
         self._obs = np.zeros((1, self.num_features), dtype=np.float32)
-        self._logits = np.zeros((1, NUM_ACTIONS), dtype=np.float32)
+        self._logits = np.zeros((1, self.num_actions), dtype=np.float32)
         self._binding = self._session.io_binding()
         self._binding.bind_cpu_input(INPUT_NAME, self._obs)
         self._binding.bind_output(OUTPUT_NAME, "cpu", element_type=np.float32,
@@ -121,25 +137,28 @@ class OnnxPolicy:
             raise PolicyLoadError(
                 f"{self.path}: expected one input {INPUT_NAME!r} and one output {OUTPUT_NAME!r}, got inputs "
                 f"{[i.name for i in inputs]} and outputs {[o.name for o in outputs]}")
-        for arg, width in ((inputs[0], self.num_features), (outputs[0], NUM_ACTIONS)):
+        for arg, width in ((inputs[0], self.num_features), (outputs[0], self.num_actions)):
             if arg.type != "tensor(float)" or len(arg.shape) != 2 or arg.shape[1] != width:
                 raise PolicyLoadError(
                     f"{self.path}: {arg.name!r} is {arg.type} {arg.shape}, expected tensor(float) [N, {width}]")
 
     def logits(self, obs: np.ndarray) -> np.ndarray:
-        """Logits ``[N, 2]`` for observation rows ``[N, F]`` (batch path, allocates)."""
+        """Logits ``[N, k + 1]`` for observation rows ``[N, F]`` (batch path, allocates)."""
         (out,) = self._session.run([OUTPUT_NAME], {INPUT_NAME: np.ascontiguousarray(obs, dtype=np.float32)})
         return out
 
-    def decide(self, obs: np.ndarray) -> bool:
-        """ADD (True) or STOP (False) for one normalised observation of shape ``[F]``.
-
-        Greedy: ADD when ``logit[ADD] > logit[STOP]``. Raises :class:`PolicyOutputError` when
-        a logit is NaN or infinite. O(network size); no allocation.
+    def act(self, obs: np.ndarray) -> int:
+        """The greedy action for one normalised observation of shape ``[F]``: the largest logit,
+        the lowest action on ties (so STOP on a tie, as ``k = 1`` policies always did). Raises
+        :class:`PolicyOutputError` when a logit is NaN or infinite. O(network size); no allocation.
         """
         self._obs[0] = obs
         self._session.run_with_iobinding(self._binding)
-        stop, add = self._logits[0]
-        if not (np.isfinite(stop) and np.isfinite(add)):
-            raise PolicyOutputError(f"policy {self.path} returned non-finite logits {self._logits[0].tolist()}")
-        return bool(add > stop)
+        logits = self._logits[0]
+        if not np.isfinite(logits).all():
+            raise PolicyOutputError(f"policy {self.path} returned non-finite logits {logits.tolist()}")
+        return int(logits.argmax())
+
+    def decide(self, obs: np.ndarray) -> bool:
+        """True when the greedy action admits a candidate (ADD for ``k = 1``), False for STOP."""
+        return self.act(obs) != STOP

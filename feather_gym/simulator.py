@@ -15,7 +15,11 @@ capacity come from the cost model's profile (:class:`EngineConfig`; 128-token bl
 3. Admission (skipped in a step that preempted), the rules of :mod:`deploy.admission`, in order:
    a preempted request resumes first, unasked; the earliest-arrived waiting request is admitted
    unasked once it has waited ``max_wait_s``; an empty batch admits its candidate unasked;
-   otherwise the policy decides ADD or STOP on the ordering's candidate. Each admission first
+   otherwise the policy chooses STOP or one of up to ``num_candidates`` candidates of the
+   ordering (:meth:`~feather_gym.orderings.WaitingOrder.candidates`, its own candidate in slot
+   0; ADD/STOP when ``num_candidates`` is 1), an empty slot counting as STOP
+   (:func:`~feather_gym.observation.chosen_slot`). Slot 0 passes the checks below before the
+   policy is asked; a later slot is checked once chosen. Each admission first
    passes vLLM's checks, in vLLM's order: token budget left, fewer than ``max_num_seqs``
    running, and the whole current sequence fits the free blocks (hits included,
    ``scheduler_reserve_full_isl``); a failed check ends admission for the step. An admitted
@@ -77,7 +81,7 @@ from cache_core.cht import ChunkedHashTree
 from feather_gym.costmodel import CostModel, DecodeBatch
 from feather_gym.hybrid.state_keeping import HybridSimConfig, StateKeeper
 from feather_gym.kv_cache import PrefixKVCache
-from feather_gym.observation import ADD, DecisionPoint
+from feather_gym.observation import DEFAULT_NUM_CANDIDATES, DecisionPoint, chosen_slot
 from feather_gym.orderings import WaitingOrder
 from feather_gym.policies import DEFAULT_MAX_WAIT_S
 from traces import Trace
@@ -137,14 +141,14 @@ def output_block_digest(parent: int, request: int, block: int) -> int:
 
 
 class AdmissionPoint(DecisionPoint):
-    """One ADD/STOP decision of the simulator: a :class:`~feather_gym.observation.DecisionPoint`
-    on the simulator's view, plus the simulator itself, the candidate's trace request and its
+    """One decision of the simulator: a :class:`~feather_gym.observation.DecisionPoint` on the
+    simulator's view, plus the simulator itself, the first candidate's trace request and its
     CHT ``stats`` (computed on first access)."""
 
     __slots__ = ("_stats",)
 
-    def __init__(self, sim: Simulator, candidate: int) -> None:
-        super().__init__(sim, candidate, sim.step)
+    def __init__(self, sim: Simulator, candidates: list[int]) -> None:
+        super().__init__(sim, candidates, sim.step, sim.num_candidates)
         self._stats = None
 
     @property
@@ -225,7 +229,8 @@ class Simulator:
 
     ``order`` proposes candidates; ``digests`` (from :func:`trace_digests` at the engine's
     block size, ``config.resolve(cost_model).block_size``) may be passed to share the hashing
-    across runs of one trace. It implements :class:`~feather_gym.observation.AdmissionView`
+    across runs of one trace. ``num_candidates`` is how many candidates a decision offers (the
+    policy's ``k``, :mod:`feather_gym.observation`). It implements :class:`~feather_gym.observation.AdmissionView`
     (``tree``, ``num_running``, ``kv_utilisation``, ``oldest_wait_s``, ``context_tokens``).
     Public read-only state used by orderings and observations: ``now_s``, ``step``, ``cht``,
     ``kv``, ``running`` (dict, admission order), ``digest_lists`` (prompt digests),
@@ -234,8 +239,10 @@ class Simulator:
     """
 
     def __init__(self, trace: Trace, cost_model: CostModel, order: WaitingOrder, *,
-                 config: EngineConfig = EngineConfig(), digests: list[np.ndarray] | None = None) -> None:
+                 config: EngineConfig = EngineConfig(), digests: list[np.ndarray] | None = None,
+                 num_candidates: int = DEFAULT_NUM_CANDIDATES) -> None:
         self.trace, self.cost_model, self.order = trace, cost_model, order
+        self.num_candidates = num_candidates
         config = self.config = config.resolve(cost_model)
         bs = self.block_size = config.block_size
         self.kv = PrefixKVCache(config.kv_blocks)
@@ -289,7 +296,7 @@ class Simulator:
         self._admitting = False
         self._preempted_this_step = False
         self._stopped = False               # the policy said STOP in this step
-        self._pending: tuple[int, list[int]] | None = None    # (candidate, its prefix-hit blocks)
+        self._pending: tuple[list[int], list[int]] | None = None  # (candidates, slot 0's prefix-hit blocks)
 
         self.tokens_out = 0
         self.admission_waits: list[float] = []
@@ -315,15 +322,21 @@ class Simulator:
             self._begin_step()
 
     def apply(self, action: int) -> None:
-        """ADD (1) admits the pending candidate; STOP (0) ends admission for this step."""
+        """STOP (0) ends admission for this step; ``i >= 1`` admits candidate slot ``i - 1`` (ADD
+        for ``num_candidates`` 1). An empty slot is STOP, and so is a later slot that fails vLLM's
+        checks (as a failed check ends vLLM's admission); an action outside ``0..k`` raises."""
         if self._pending is None:
             raise RuntimeError("apply() without a pending admission point")
-        if action == ADD:
-            self._admit(*self._pending)
-        else:
+        candidates, hits = self._pending
+        slot = chosen_slot(action, len(candidates), self.num_candidates)
+        self._pending = None
+        if slot:
+            hits = self._fitting_hits(candidates[slot])
+        if slot is None or hits is None:
             self._admitting = False
             self._stopped = True
-        self._pending = None
+        else:
+            self._admit(candidates[slot], hits)
 
     def result(self) -> SimResult:
         finished = np.array([s == _FINISHED for s in self._state], dtype=bool)
@@ -434,8 +447,9 @@ class Simulator:
                 self.num_forced_wait += int(overdue)
                 self._admit(idx, hits)
                 continue
-            self._pending = (idx, hits)
-            return AdmissionPoint(self, idx)
+            candidates = [idx] if self.num_candidates == 1 else self.order.candidates(self.num_candidates)
+            self._pending = (candidates, hits)
+            return AdmissionPoint(self, candidates)
         self._admitting = False
         return None
 
@@ -706,7 +720,8 @@ def simulate(trace: Trace, cost_model: CostModel, policy, *, config: EngineConfi
              digests: list[np.ndarray] | None = None) -> SimResult:
     """Run ``trace`` to completion under ``policy`` (a :class:`feather_gym.policies.Policy`)."""
     policy.reset()
-    sim = Simulator(trace, cost_model, policy.make_order(), config=config, digests=digests)
+    sim = Simulator(trace, cost_model, policy.make_order(), config=config, digests=digests,
+                    num_candidates=policy.num_candidates)
     while (point := sim.next_admission()) is not None:
         sim.apply(policy.decide(point))
     return sim.result()

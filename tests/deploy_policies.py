@@ -13,25 +13,39 @@ import numpy as np
 import onnx
 import torch
 
-from feather_gym.observation import FEATURE_NAMES, OBS_CLIP
+from feather_gym.observation import FEATURE_NAMES, LEGACY_OBS_VERSION, OBS_CLIP, observation_size
 from trainer.export import export_policy_module
 
 F = len(FEATURE_NAMES)
 
 
-def _observations(rows: int = 64) -> np.ndarray:
-    return np.random.default_rng(0).uniform(0.0, OBS_CLIP, (rows, F)).astype(np.float32)
+def _observations(rows: int = 64, k: int = 1) -> np.ndarray:
+    return np.random.default_rng(0).uniform(0.0, OBS_CLIP, (rows, observation_size(k))).astype(np.float32)
 
 
-def export(module: torch.nn.Module, path: Path) -> Path:
-    export_policy_module(module, path, profile="cpu", workload="prefix-groups", observations=_observations())
+def export(module: torch.nn.Module, path: Path, k: int = 1) -> Path:
+    export_policy_module(module, path, profile="cpu", workload="prefix-groups", observations=_observations(k=k),
+                         num_candidates=k)
     return path
 
 
-def untrained_policy(path: Path) -> Path:
-    """A small untrained MLP: ADD or STOP depending on the observation."""
+def untrained_policy(path: Path, k: int = 1) -> Path:
+    """A small untrained MLP over ``k`` candidate slots: STOP or a slot depending on the observation."""
     torch.manual_seed(0)
-    return export(torch.nn.Sequential(torch.nn.Linear(F, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2)), path)
+    size = observation_size(k)
+    return export(torch.nn.Sequential(torch.nn.Linear(size, 16), torch.nn.Tanh(), torch.nn.Linear(16, k + 1)), path, k)
+
+
+def legacy_policy(source: Path, path: Path) -> Path:
+    """``source`` (a ``k = 1`` policy) labelled as exported before the candidate count existed
+    (``feather-obs-2``, no ``feather.num_candidates``)."""
+    model = onnx.load(source)
+    props = [(p.key, p.value) for p in model.metadata_props if p.key != "feather.num_candidates"]
+    del model.metadata_props[:]
+    onnx.helper.set_model_props(model, {key: LEGACY_OBS_VERSION if key == "feather.obs_version" else value
+                                        for key, value in props})
+    onnx.save_model(model, path)
+    return path
 
 
 def constant_policy(path: Path, action: int) -> Path:

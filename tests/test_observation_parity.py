@@ -3,8 +3,9 @@
 The same state is put into the simulator and into the vLLM scheduler's waiting queue (real
 vLLM ``Request`` objects with the engine's sha256 block hashes, no engine), and both sides
 build the observation through :func:`feather_gym.observation.raw_features`; the vectors must
-be equal, also when the two sides run at different block sizes, and a trained policy must
-then take the same action on both.
+be equal, also when the two sides run at different block sizes and with k candidate slots
+(the same CHT candidates, rows and mask), and a trained policy must then take the same action
+on both.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from deploy.admission import PolicyAdmission
 from deploy.policy_bench import vllm_request
 from deploy.waiting_queue import CHTWaitingQueue
 from feather_gym.costmodel import load_cost_model
-from feather_gym.observation import ADD, FEATURE_NAMES, STOP
+from feather_gym.observation import ADD, FEATURE_NAMES, STOP, observation_size
 from feather_gym.orderings import CHTOrder
 from feather_gym.policies import OnnxFilePolicy
 from feather_gym.simulator import EngineConfig, Simulator
@@ -28,12 +29,14 @@ from traces import Request, Trace
 
 
 class Recorder:
-    """A deployable policy that records the decision point it is shown and answers ADD."""
+    """A deployable policy over ``num_candidates`` slots that records the decision point it is
+    shown and answers ADD."""
 
     name = "recorder"
 
-    def __init__(self) -> None:
+    def __init__(self, num_candidates: int = 1) -> None:
         self.points = []
+        self.num_candidates = num_candidates
 
     def decide(self, point) -> int:
         self.points.append(point)
@@ -57,10 +60,11 @@ def workload() -> Trace:
     return Trace("parity", requests)
 
 
-def simulator_at_decision(block_size: int, decisions: int):
-    """``(simulator, point)``: the simulator paused at its ``decisions``-th admission point (ADD before it)."""
+def simulator_at_decision(block_size: int, decisions: int, k: int = 1):
+    """``(simulator, point)``: the simulator with ``k`` candidate slots paused at its
+    ``decisions``-th admission point (ADD before it)."""
     config = EngineConfig(block_size=block_size, token_budget=2048, kv_capacity_tokens=96 * 256)
-    sim = Simulator(workload(), load_cost_model("cpu"), CHTOrder(), config=config)
+    sim = Simulator(workload(), load_cost_model("cpu"), CHTOrder(), config=config, num_candidates=k)
     for _ in range(decisions - 1):
         assert sim.next_admission() is not None
         sim.apply(ADD)
@@ -91,7 +95,7 @@ def deployed_point(sim: Simulator, block_size: int, policy):
     """The decision the deployed admission makes in ``sim``'s state, with ``policy``."""
     base = time.time() - 100.0
     queue = scheduler_queue_like(sim, block_size, base)
-    recorder = Recorder()
+    recorder = Recorder(sim.num_candidates)
     admission = PolicyAdmission(recorder, num_running=lambda: len(sim.running), kv_usage=lambda: sim.kv_utilisation,
                                 max_num_seqs=256, max_wait_s=1e9, clock=lambda: base + sim.now_s)
     admission.begin_step()
@@ -122,3 +126,34 @@ def test_a_policy_trained_at_one_block_size_serves_at_another(tmp_path):
         assert engine_action == policy.decide(sim_point)
         actions.append(engine_action)
     assert set(actions) <= {ADD, STOP} and len(actions) == 6
+
+
+@pytest.mark.parametrize("k", [4, 12])
+@pytest.mark.parametrize("sim_block, engine_block", [(128, 128), (256, 16)])
+@pytest.mark.parametrize("decisions", [1, 2, 4, 6])
+def test_k_candidates_are_the_same_on_both_sides(sim_block, engine_block, decisions, k):
+    """The same CHT candidates in the same slots, the same rows, the same mask (k = 12 leaves
+    slots empty)."""
+    sim, sim_point = simulator_at_decision(sim_block, decisions, k=k)
+    engine_point, _ = deployed_point(sim, engine_block, None)
+    ids = [sim.trace.requests[idx].request_id for idx in sim_point.candidates]
+    assert list(engine_point.candidates) == ids
+    np.testing.assert_allclose(engine_point.raw_rows, sim_point.raw_rows, rtol=1e-6, atol=1e-9)
+    np.testing.assert_array_equal(engine_point.mask, sim_point.mask)
+    np.testing.assert_allclose(engine_point.observation, sim_point.observation, rtol=1e-6)
+    assert sim_point.observation.shape == (observation_size(k),)
+
+
+def test_the_states_offer_several_candidates_and_leave_slots_empty():
+    """The states above are neither one-candidate states nor all full (the tests would be vacuous)."""
+    counts = [len(simulator_at_decision(128, d, k=12)[1].candidates) for d in (1, 2, 4, 6)]
+    assert max(counts) > 1 and min(counts) < 12, counts
+
+
+def test_a_k4_policy_takes_the_same_action_on_both_sides(tmp_path):
+    policy = OnnxFilePolicy(str(policies.untrained_policy(tmp_path / "k4.onnx", k=4)))
+    for decisions in range(1, 7):
+        sim, sim_point = simulator_at_decision(256, decisions, k=4)
+        engine_point, engine_action = deployed_point(sim, 16, policy)
+        assert engine_action == policy.decide(sim_point)
+        assert engine_point.slot(engine_action) == sim_point.slot(engine_action)

@@ -59,6 +59,9 @@ def build_train_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output", dest="output_dir", type=Path, help="output folder (default runs/feather-<UTC time>)")
     parser.add_argument("--resume", type=Path, metavar="RUN_DIR|CHECKPOINT",
                         help="fine-tune from a previous run's folder (its checkpoint and settings) or an RLlib checkpoint")
+    parser.add_argument("--num-candidates", type=int, metavar="K",
+                        help=f"candidate slots of the action: 1 is ADD/STOP on the CHT's best candidate, K > 1 "
+                             f"chooses among its K best prefix groups or STOP (default {defaults.num_candidates})")
     parser.add_argument("--warm-start", metavar="BASELINE",
                         help=f"baseline cloned into the network before PPO, or none (default {defaults.warm_start})")
     parser.add_argument("--ray-address", help="train on an existing Ray cluster (e.g. auto, ray://host:10001); "

@@ -79,6 +79,9 @@ class TrainConfig:
     window_requests: int = ENV_DEFAULTS["window_requests"]
     max_decisions: int = ENV_DEFAULTS["max_decisions"]
     wait_penalty: float = 0.0
+    # Candidate slots of the action (feather_gym.observation): 1 is ADD/STOP on the CHT's best
+    # candidate; k > 1 chooses among the CHT's k best prefix groups, or STOP (Discrete(k + 1)).
+    num_candidates: int = 1
     # Warm start: the baseline distilled into the network before PPO (see trainer.warm_start);
     # "none" starts PPO from a random network. Ignored when resuming.
     warm_start: str = "feather-rule"
@@ -169,6 +172,8 @@ class TrainConfig:
                                      "pairwise disjoint (held-out means unseen)")
         if self.validate_every < 1:
             raise ValueError(f"validate_every: must be >= 1, got {self.validate_every}")
+        if self.num_candidates < 1:
+            raise ValueError(f"num_candidates: must be >= 1, got {self.num_candidates}")
 
     def training_env_seeds(self) -> tuple[int, ...]:
         """The workload seeds of the training envs: RLlib builds envs on the remote env runners

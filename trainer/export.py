@@ -1,10 +1,12 @@
 """Export the Feather policy network to ONNX, the one file the simulator and vLLM load.
 
-The file contract: one input ``obs``, float32 ``[N, F]`` with a
-dynamic ``N`` and ``F = len(FEATURE_NAMES)``, already normalised; one output ``action_logits``,
-float32 ``[N, 2]`` (index 0 STOP, 1 ADD); opset >= 17; ``onnx.checker`` clean; metadata_props
-describing the observation (version, feature names, normalisation), the actions, the env, and the
-profile, workload and date of training.
+The file contract, for a policy over ``k`` candidate slots: one input ``obs``, float32 ``[N, F]``
+with a dynamic ``N`` and ``F = observation_size(k)`` (``len(FEATURE_NAMES)`` for ``k = 1``),
+already normalised; one output ``action_logits``, float32 ``[N, k + 1]`` (index 0 STOP, ``i``
+admits slot ``i - 1``; ``k = 1``: STOP, ADD); opset >= 17; ``onnx.checker`` clean; metadata_props
+describing the observation (version, feature names, normalisation, ``feather.num_candidates``),
+the actions, the env, and the profile, workload and date of training. ``k`` is read from the
+network's observation space (RLlib modules) unless given.
 
 Every export is verified: onnxruntime (CPU provider) and torch must agree on random observations
 and on real ones from the environment; the parity report is returned and a disagreement beyond
@@ -26,14 +28,13 @@ import torch
 OPSET = 18                      # >= 17; torch's exporter emits 18 natively (no version conversion)
 INPUT_NAME = "obs"
 OUTPUT_NAME = "action_logits"
-NUM_ACTIONS = 2
 PARITY_ATOL = 1e-4              # float32 MLP: torch vs onnxruntime differ by ~1e-7 in practice
 PARITY_RANDOM_ROWS = 256
 PARITY_REAL_ROWS = 512
 
 
 class PolicyLogits(torch.nn.Module):
-    """An RLlib RLModule as a plain ``obs [N, F] -> action_logits [N, 2]`` network.
+    """An RLlib RLModule as a plain ``obs [N, F] -> action_logits [N, k + 1]`` network.
 
     Uses the module's inference forward pass, so only the policy path is traced; for PPO's
     default module that is the actor encoder plus the pi head (the value head is left out).
@@ -47,6 +48,13 @@ class PolicyLogits(torch.nn.Module):
         from ray.rllib.core.columns import Columns
 
         return self.rl_module.forward_inference({Columns.OBS: obs})[Columns.ACTION_DIST_INPUTS]
+
+    @property
+    def num_candidates(self) -> int:
+        """``k``, from the module's observation space (its width is ``observation_size(k)``)."""
+        from feather_gym.observation import num_candidates_for
+
+        return num_candidates_for(self.rl_module.observation_space.shape[0])
 
 
 def rl_module_path(checkpoint: str | Path) -> Path:
@@ -86,7 +94,8 @@ def load_policy_network(checkpoint: str | Path) -> PolicyLogits:
     return PolicyLogits(rl_module).eval()
 
 
-def onnx_metadata(*, profile: str, workload: str | Sequence[str], trained_at: datetime | None = None) -> dict[str, str]:
+def onnx_metadata(*, profile: str, workload: str | Sequence[str], trained_at: datetime | None = None,
+                  num_candidates: int = 1) -> dict[str, str]:
     """The ``feather.*`` metadata_props, from the observation builder of this version.
 
     ``workload`` is stored as the spec itself when it is one spec (or a one-element list), and as
@@ -97,7 +106,7 @@ def onnx_metadata(*, profile: str, workload: str | Sequence[str], trained_at: da
 
     trained_at = trained_at or datetime.now(timezone.utc)
     contract = {key: value if isinstance(value, str) else json.dumps(value)
-                for key, value in observation_contract().items()}
+                for key, value in observation_contract(num_candidates).items()}
     return {
         **contract,
         "feather.env_id": ENV_ID,
@@ -108,20 +117,22 @@ def onnx_metadata(*, profile: str, workload: str | Sequence[str], trained_at: da
     }
 
 
-def sample_observations(*, profile: str, workload: str | Sequence[str], rows: int = PARITY_REAL_ROWS, seed: int = 0) -> np.ndarray:
-    """``rows`` real observations from the Feather env, stepped with uniformly random actions."""
+def sample_observations(*, profile: str, workload: str | Sequence[str], rows: int = PARITY_REAL_ROWS, seed: int = 0,
+                        num_candidates: int = 1) -> np.ndarray:
+    """``rows`` real observations from the Feather env with ``num_candidates`` slots, stepped with
+    uniformly random actions."""
     import gymnasium as gym
 
     from feather_gym.envs import ENV_ID
 
     workloads = [workload] if isinstance(workload, str) else list(workload)
-    env = gym.make(ENV_ID, workloads=workloads, profile=profile, seed=seed)
+    env = gym.make(ENV_ID, workloads=workloads, profile=profile, seed=seed, num_candidates=num_candidates)
     rng = np.random.default_rng(seed)
     observations = []
     obs, _ = env.reset(seed=seed)
     while len(observations) < rows:
         observations.append(obs)
-        obs, _, terminated, truncated, _ = env.step(int(rng.integers(NUM_ACTIONS)))
+        obs, _, terminated, truncated, _ = env.step(int(rng.integers(num_candidates + 1)))
         if terminated or truncated:
             obs, _ = env.reset()
     env.close()
@@ -137,24 +148,30 @@ def export_policy_module(
     trained_at: datetime | None = None,
     observations: np.ndarray | None = None,
     atol: float = PARITY_ATOL,
+    num_candidates: int | None = None,
 ) -> dict:
-    """Write ``torch_module`` (obs ``[N, F]`` -> logits ``[N, 2]``) to ``path`` as a Feather ONNX policy.
+    """Write ``torch_module`` (obs ``[N, F]`` -> logits ``[N, k + 1]``) to ``path`` as a Feather ONNX policy.
+
+    ``num_candidates`` (``k``): None takes ``torch_module.num_candidates`` when it has one
+    (:class:`PolicyLogits`), else 1.
 
     ``observations`` are the real observations for the parity check; by default they are
     sampled from the env with ``profile`` and ``workload``. Returns the parity report
     (``max_abs_diff_random``, ``max_abs_diff_real``, action agreement, sizes); raises
     ``ValueError`` when the network has the wrong shape or onnxruntime disagrees beyond ``atol``.
     """
-    from feather_gym.observation import FEATURE_NAMES, OBS_CLIP
+    from feather_gym.observation import OBS_CLIP, observation_size
 
     path = Path(path)
-    num_features = len(FEATURE_NAMES)
+    k = num_candidates if num_candidates is not None else getattr(torch_module, "num_candidates", 1)
+    num_features, num_actions = observation_size(k), k + 1
     module = torch_module.eval().cpu()
     example = torch.zeros(3, num_features)
     with torch.no_grad():
         out = module(example)
-    if tuple(out.shape) != (3, NUM_ACTIONS):
-        raise ValueError(f"policy network maps [3, {num_features}] observations to {list(out.shape)}, expected [3, {NUM_ACTIONS}]")
+    if tuple(out.shape) != (3, num_actions):
+        raise ValueError(f"policy network maps [3, {num_features}] observations to {list(out.shape)}, "
+                         f"expected [3, {num_actions}] ({k} candidate slot{'s' if k > 1 else ''})")
 
     program = torch.onnx.export(
         module, (example,), None,
@@ -163,18 +180,20 @@ def export_policy_module(
         opset_version=OPSET, dynamo=True, verbose=False,
     )
     model = program.model_proto
-    onnx.helper.set_model_props(model, onnx_metadata(profile=profile, workload=workload, trained_at=trained_at))
+    onnx.helper.set_model_props(model, onnx_metadata(profile=profile, workload=workload, trained_at=trained_at,
+                                                     num_candidates=k))
     onnx.checker.check_model(model, full_check=True)
     path.parent.mkdir(parents=True, exist_ok=True)
     onnx.save_model(model, path)
 
     if observations is None:
-        observations = sample_observations(profile=profile, workload=workload)
+        observations = sample_observations(profile=profile, workload=workload, num_candidates=k)
     random_obs = np.random.default_rng(0).uniform(0.0, OBS_CLIP, (PARITY_RANDOM_ROWS, num_features)).astype(np.float32)
     report = {
         "path": str(path),
         "opset": OPSET,
         "num_features": num_features,
+        "num_candidates": k,
         "num_random_observations": len(random_obs),
         "num_real_observations": len(observations),
         **_parity(module, path, random_obs, "random"),

@@ -74,7 +74,8 @@ def env_config(config: TrainConfig) -> dict:
     training part of each workload (:meth:`TrainConfig.training_workloads`)."""
     settings = {"workloads": list(config.training_workloads()), "profile": config.profile, "seed": config.seed,
                 "window_requests": config.window_requests, "max_decisions": config.max_decisions,
-                "wait_penalty": config.wait_penalty, "kv_capacity_tokens": config.kv_capacity_tokens}
+                "wait_penalty": config.wait_penalty, "kv_capacity_tokens": config.kv_capacity_tokens,
+                "num_candidates": config.num_candidates}
     return {key: value for key, value in settings.items() if value is not None}
 
 
@@ -114,8 +115,8 @@ class NetworkPolicy(Policy):
 
     name = "network"
 
-    def __init__(self, module) -> None:
-        self.module = module
+    def __init__(self, module, num_candidates: int) -> None:
+        self.module, self.num_candidates = module, num_candidates
 
     def decide(self, point) -> int:
         import torch
@@ -139,7 +140,7 @@ class BestCheckpoint:
     def __init__(self, algo, config: TrainConfig, path: Path) -> None:
         from trainer.evaluate import Benchmark
 
-        self.algo, self.path = algo, path
+        self.algo, self.path, self.num_candidates = algo, path, config.num_candidates
         self.benchmark = Benchmark(workloads=config.training_workloads(), profile=config.profile,
                                    seeds=config.validation_seeds, engine=config.engine())
         self.best_score = (-math.inf, -math.inf)
@@ -152,7 +153,7 @@ class BestCheckpoint:
         from trainer.evaluate import validation_score
 
         module = next(iter(self.algo.learner_group.foreach_learner(lambda learner: learner.module[DEFAULT_MODULE_ID]))).get()
-        evaluation = self.benchmark.evaluate(NetworkPolicy(module))
+        evaluation = self.benchmark.evaluate(NetworkPolicy(module, self.num_candidates))
         score = validation_score(evaluation)
         worst, mean = min(result["margin"] for result in evaluation["workloads"]), score[1]
         self.history.append({"iteration": iteration, "worst_margin": worst, "mean_margin": mean})

@@ -43,7 +43,8 @@ class Demonstrations:
 
     @property
     def add_fraction(self) -> float:
-        return float(self.actions.mean()) if len(self.actions) else 0.0
+        """Share of the decisions that admit a candidate (any slot)."""
+        return float((self.actions != 0).mean()) if len(self.actions) else 0.0
 
 
 def demonstrator(policy_name: str):

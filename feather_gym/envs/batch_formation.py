@@ -1,4 +1,4 @@
-"""The Feather MDP as a Gymnasium environment: ADD or STOP the CHT's candidate."""
+"""The Feather MDP as a Gymnasium environment: STOP, or admit one of the CHT's candidate groups."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 
 import traces
 from feather_gym.costmodel import hardware_profile, load_cost_model
-from feather_gym.observation import ADD, FEATURE_NAMES, OBS_CLIP
+from feather_gym.observation import ADD, DEFAULT_NUM_CANDIDATES, OBS_CLIP, check_num_candidates, observation_size
 from feather_gym.orderings import CHTOrder, FCFSOrder
 from feather_gym.simulator import EngineConfig, Simulator, trace_digests
 
@@ -35,6 +35,7 @@ DEFAULT_CONFIG = {
     "max_num_seqs": EngineConfig.max_num_seqs,
     "max_wait_s": EngineConfig.max_wait_s,
     "kv_capacity_tokens": None,   # None: the profile's
+    "num_candidates": DEFAULT_NUM_CANDIDATES,   # k: 1 is ADD/STOP on the CHT's best candidate
 }
 
 
@@ -44,21 +45,33 @@ class BatchFormationEnv(gym.Env):
     ## Description
     A simulated vLLM v1 engine (:mod:`feather_gym.simulator`, step times from the cost model
     of ``profile``) serves a window of consecutive requests of a workload. At every admission
-    point of an engine step the Chunked Hash Tree proposes its best waiting request (fewest
-    chunks missing from the running batch) and the agent decides whether it joins the batch.
-    The engine admits into an empty batch without asking, so an episode always progresses.
+    point of an engine step the Chunked Hash Tree proposes up to ``k = num_candidates``
+    candidates, the best waiting request (fewest chunks missing from the running batch) of each
+    of its ``k`` best prefix groups (``ChunkedHashTree.top_candidates``; slot 0 is its overall
+    best), and the agent admits one of them or stops. With ``k = 1`` (the default) that is ADD
+    or STOP on the best candidate. The engine admits into an empty batch without asking, so an
+    episode always progresses.
 
     ## Action Space
-    ``Discrete(2)``:
+    ``Discrete(k + 1)``:
 
-    | Num | Action | Effect                                                     |
-    |-----|--------|------------------------------------------------------------|
-    | 0   | STOP   | admit nothing more this engine step; the step runs          |
-    | 1   | ADD    | admit the candidate (its prefill starts this step)          |
+    | Num     | Action        | Effect                                                            |
+    |---------|---------------|-------------------------------------------------------------------|
+    | 0       | STOP          | admit nothing more this engine step; the step runs                |
+    | 1       | ADD / ADD_1   | admit candidate slot 0, the CHT's best (its prefill starts now)   |
+    | i <= k  | ADD_i         | admit candidate slot i - 1 (another prefix group)                 |
+
+    Invalid actions: choosing an empty slot (``i - 1 >=`` the number of candidates offered, which
+    the observation's mask shows) is STOP; the env never raises for an action of its space. A
+    slot other than 0 that fails the engine's checks once chosen (KV, ``max_num_seqs``) also
+    ends admission for the step, as a failed check does in vLLM.
 
     ## Observation Space
-    ``Box(0, OBS_CLIP, (9,), float32)``: the raw features of :mod:`feather_gym.observation`,
-    each divided by its scale and clipped to ``[0, 8]``:
+    ``Box(0, OBS_CLIP, (observation_size(k),), float32)``, ``observation_size(k) = 9 k + k - 1``
+    (9 for ``k = 1``): ``k`` rows of the features of :mod:`feather_gym.observation`, one per
+    candidate slot (empty slots all zeros), each feature divided by its scale and clipped to
+    ``[0, 8]``, flattened row by row, then the validity mask of slots ``1 .. k - 1`` (1 filled,
+    0 empty; slot 0 is always filled). The features of one row:
 
     | Num | Feature                      | Raw meaning (unit)                                   | Scale |
     |-----|------------------------------|------------------------------------------------------|-------|
@@ -106,7 +119,7 @@ class BatchFormationEnv(gym.Env):
     generation, and the episode stream unless ``reset(seed=...)``), ``window_requests``,
     ``max_decisions`` (0: no limit), ``wait_bound_s``, ``wait_penalty``, ``token_budget`` (None: the
     profile's), ``max_num_seqs``, ``max_wait_s`` (the admission's waiting-time bound, as deployed),
-    ``kv_capacity_tokens`` (None: the profile's).
+    ``kv_capacity_tokens`` (None: the profile's), ``num_candidates`` (``k``, >= 1).
     """
 
     metadata = {"render_modes": []}
@@ -124,6 +137,7 @@ class BatchFormationEnv(gym.Env):
         if config["max_decisions"] < 0:
             raise ValueError(f"max_decisions must be >= 0 (0: no limit), got {config['max_decisions']}")
         self.config = config
+        self.num_candidates = k = check_num_candidates(config["num_candidates"])
         self.cost_model = load_cost_model(config["profile"] or hardware_profile())
         self.engine = EngineConfig(token_budget=config["token_budget"], max_num_seqs=config["max_num_seqs"],
                                    max_wait_s=config["max_wait_s"],
@@ -131,9 +145,9 @@ class BatchFormationEnv(gym.Env):
         self.workloads = [traces.resolve_workload(spec, seed=config["seed"]) for spec in workloads]
         self._digests = [trace_digests(trace, self.engine.block_size) for trace in self.workloads]
         self._windows: dict[tuple[int, int], tuple] = {}
-        self.observation_space = gym.spaces.Box(0.0, OBS_CLIP, (len(FEATURE_NAMES),), np.float32)
-        self.action_space = gym.spaces.Discrete(2)
-        self._terminal_obs = np.zeros(len(FEATURE_NAMES), dtype=np.float32)
+        self.observation_space = gym.spaces.Box(0.0, OBS_CLIP, (observation_size(k),), np.float32)
+        self.action_space = gym.spaces.Discrete(k + 1)
+        self._terminal_obs = np.zeros(observation_size(k), dtype=np.float32)
         self._sim = None
         self._point = None
         self._seeded = False
@@ -181,7 +195,8 @@ class BatchFormationEnv(gym.Env):
         start = stride * int(rng.integers((len(self.workloads[w]) - size) // stride + 1))
         self._episode = (w, start)
         window, digests, self._baseline, self._reward_scale = self._window(w, start, size)
-        self._sim = Simulator(window, self.cost_model, CHTOrder(), config=self.engine, digests=digests)
+        self._sim = Simulator(window, self.cost_model, CHTOrder(), config=self.engine, digests=digests,
+                              num_candidates=self.num_candidates)
         self._rewarded = (0, self._sim.now_s, 0)   # tokens, clock, admissions already rewarded
         return self._sim.next_admission()
 
