@@ -54,14 +54,11 @@ _LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
 
 @dataclass(frozen=True)
 class Capture:
-    """Copy input rows ``[row_offset, row_offset + count)`` of the request in this slot (offsets
-    within its scheduled chunk) to rows ``[anchor_offset, anchor_offset + count)`` of the anchors
-    of page boundary ``key``."""
+    """Copy the ``rows`` (:attr:`ReplayPlan.rows`) input rows from ``row_offset`` on (offsets
+    within the request's scheduled chunk) as the anchors of page boundary ``key``."""
 
     key: object
     row_offset: int
-    anchor_offset: int
-    count: int
 
 
 @dataclass
@@ -152,10 +149,9 @@ class ReplayGDN(QwenGatedDeltaNetAttention):
         starts = metadata.non_spec_query_start_loc.tolist()
         for i, slot in enumerate(slots):
             for capture in PLAN.captures.get(slot, ()):
-                rows = hidden_states[starts[i] + capture.row_offset: starts[i] + capture.row_offset + capture.count]
-                anchors = PLAN.captured.setdefault(capture.key, {}).setdefault(
-                    self.gdn_layer, torch.zeros(PLAN.rows, hidden_states.size(-1), dtype=hidden_states.dtype))
-                anchors[capture.anchor_offset: capture.anchor_offset + capture.count] = rows
+                first = starts[i] + capture.row_offset
+                anchors = hidden_states[first: first + PLAN.rows].clone()
+                PLAN.captured.setdefault(capture.key, {})[self.gdn_layer] = anchors
             anchors = PLAN.rebuilds.get(slot, {}).get(self.gdn_layer)
             if anchors is not None:
                 started = time.perf_counter()

@@ -154,18 +154,18 @@ class SuffixReplayMixin:
         for request_id, count in output.num_scheduled_tokens.items():
             request = self.requests[request_id]
             end = request.num_computed_tokens                   # vLLM has counted this step's tokens
-            slots = self._running_slots(request_id, end)
-            rebuild = self._rebuild_at.pop(request_id, None)
-            if rebuild is not None:
-                for slot in slots:
-                    PLAN.rebuilds[slot] = rebuild[1]
             start = end - count
-            for boundary in range(cdiv(start + rows, block) * block, min(end, request.num_prompt_tokens) + 1, block):
-                key = self._page_key(request, boundary)
-                if key not in self.anchors:
-                    capture = Capture(key, row_offset=boundary - rows - start, anchor_offset=0, count=rows)
-                    for slot in slots:
-                        PLAN.captures.setdefault(slot, []).append(capture)
+            boundaries = range(cdiv(start + rows, block) * block, min(end, request.num_prompt_tokens) + 1, block)
+            captures = [Capture(key, row_offset=b - rows - start)
+                        for b in boundaries if (key := self._page_key(request, b)) not in self.anchors]
+            rebuild = self._rebuild_at.pop(request_id, None)
+            if not captures and rebuild is None:
+                continue                                        # most steps: decodes, nothing to plan
+            for slot in self._running_slots(request_id, end):
+                if rebuild is not None:
+                    PLAN.rebuilds[slot] = rebuild[1]
+                if captures:
+                    PLAN.captures[slot] = captures
         self._rebuild_at.clear()                                # looked up but not scheduled: look up again
 
     def update_from_output(self, scheduler_output, model_runner_output):
