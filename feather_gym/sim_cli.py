@@ -37,6 +37,8 @@ def register(commands) -> None:
     compare.add_argument("--placements", default="vllm,dp",
                          help="--model: recurrent-state placements to compare, comma-separated (vllm, dp, grid)")
     compare.add_argument("--max-states", type=int, default=32, help="--model: recurrent states kept at most")
+    compare.add_argument("--anchor-pages", type=int, default=0,
+                         help="--model: SuffixReplay anchors on at most this many prompt pages (default 0: none)")
     compare.add_argument("--kv-tokens", type=int, default=None,
                          help="KV-cache capacity in tokens, the state reserve included (default: the profile's)")
     compare.add_argument("--plot", metavar="FILE", help="write a bar chart (PNG) of throughput and TTFT")
@@ -112,7 +114,8 @@ def _compare(args) -> int:
 
 
 def hybrid_configs(args) -> dict:
-    """``{placement: EngineConfig}`` of ``--model``/``--placements``/``--max-states``; prints the layout."""
+    """``{placement: EngineConfig}`` of ``--model``/``--placements``/``--max-states``/``--anchor-pages``;
+    prints the layout."""
     from cache_core.hybrid_layout import HybridCacheLayout
     from feather_gym.hybrid.model import SPECS, hybrid_dir, is_built
     from feather_gym.hybrid.state_keeping import HybridSimConfig
@@ -128,11 +131,13 @@ def hybrid_configs(args) -> dict:
     state_blocks = HybridSimConfig.state_blocks_for(layout)
     placements = [p.strip() for p in args.placements.split(",") if p.strip()]
     print(f"hybrid model {args.model}: {layout.attention_layers} attention + {layout.linear_layers} GDN layers, "
-          f"a recurrent state takes {state_blocks} KV blocks, at most {args.max_states} kept")
+          f"a recurrent state takes {state_blocks} KV blocks, at most {args.max_states} kept"
+          + (f", anchors on at most {args.anchor_pages} pages" if args.anchor_pages else ""))
     block_size = layout.vllm_block_size()
     print(f"  engine block {block_size} tokens (vLLM's choice for this model on CPU)")
     return {p: EngineConfig(block_size=block_size, kv_capacity_tokens=args.kv_tokens,
-                            hybrid=HybridSimConfig(placement=p, max_states=args.max_states, state_blocks=state_blocks))
+                            hybrid=HybridSimConfig(placement=p, max_states=args.max_states, state_blocks=state_blocks,
+                                                   anchor_pages=args.anchor_pages))
             for p in placements}
 
 

@@ -93,6 +93,22 @@ def test_cached_fraction_counts_only_resumable_blocks(cost_model):
     assert cached_fraction(HybridSimConfig(placement="grid", grid_blocks=2, state_blocks=1)) == pytest.approx(4 / 6)
 
 
+def test_anchors_resume_a_hit_where_no_state_is_kept_within_their_page_budget(cost_model):
+    doc = tokens(0, 3 * BS)
+    prompts = [np.concatenate((doc, tokens(10 + i, BS + 100))) for i in range(3)]
+
+    def replay(anchor_pages):
+        return HybridSimConfig(placement="vllm", state_blocks=1, max_states=0, anchor_pages=anchor_pages)
+
+    assert per_request_cached(prompts, cost_model, HybridSimConfig(placement="vllm", state_blocks=1, max_states=0)) \
+        == [0, 0, 0]                                             # no state kept: every hit recomputes
+    assert per_request_cached(prompts, cost_model, replay(64)) == [0, 3 * BS, 3 * BS]
+    # one page: request 0's last anchored page is its own question, so nothing is shared
+    assert per_request_cached(prompts, cost_model, replay(1)) == [0, 0, 0]
+    # two pages: the document's end survives, and the hit that uses it keeps it ahead of the next eviction
+    assert per_request_cached(prompts, cost_model, replay(2)) == [0, 3 * BS, 3 * BS]
+
+
 def test_state_registry_evicts_the_least_recently_used():
     registry = StateRegistry(max_states=2)
     for key, position in (("a", 1), ("b", 2), ("c", 3)):

@@ -17,6 +17,14 @@ placement   states kept as a prefill passes block boundary ``k``
 ``grid``    every ``grid_blocks``-th boundary (a fixed grid, e.g. one state per 1,024 tokens)
 ==========  =================================================================================
 
+SuffixReplay (``anchor_pages > 0``, as :mod:`deploy.replay_scheduler`): anchors are recorded
+at every prompt page boundary a prefill passes (unless that page already has them), at most
+``anchor_pages`` pages (least recently used evicted), and a hit resumes at the deeper of the
+deepest kept state and the deepest anchored page within the attention match; vLLM's junction is
+recorded as if there were no anchors, as in the engine. Anchors live in host memory, not in
+the KV capacity, and their rebuild time (10-20 ms per hit live) is not simulated. Anchors are
+usable as soon as the prefill is scheduled (the engine stores them after the step's forward).
+
 Bytes: a kept state occupies ``state_blocks`` KV blocks (vLLM pads a GDN state page to the
 attention page; one per GDN group). The simulator reserves ``max_states x state_blocks``
 blocks of its KV capacity for states, and :class:`~cache_core.state_registry.StateRegistry`
@@ -47,12 +55,15 @@ class HybridSimConfig(FamilyPlacementSettings):
     max_states: int = 32
     state_blocks: int = 3
     grid_blocks: int = 1
+    anchor_pages: int = 0
 
     def __post_init__(self) -> None:
         if self.placement not in PLACEMENTS:
             raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
-        if min(self.max_states, self.state_blocks, self.grid_blocks, self.checkpoints, self.horizon_blocks) < 1:
-            raise ValueError(f"{self}: max_states, state_blocks, grid_blocks, checkpoints, horizon_blocks must be >= 1")
+        if min(self.state_blocks, self.grid_blocks, self.checkpoints, self.horizon_blocks) < 1:
+            raise ValueError(f"{self}: state_blocks, grid_blocks, checkpoints, horizon_blocks must be >= 1")
+        if min(self.max_states, self.anchor_pages) < 0:
+            raise ValueError(f"{self}: max_states and anchor_pages must be >= 0")
 
     @staticmethod
     def state_blocks_for(layout) -> int:
@@ -67,18 +78,22 @@ class StateKeeper:
     def __init__(self, config: HybridSimConfig) -> None:
         self.config = config
         self.registry = StateRegistry(config.max_states)
+        self.anchors = StateRegistry(config.anchor_pages)          # anchored pages (SuffixReplay)
+        self.replay_hits = 0
         self.placement = config.rooted_placement()
         self._junction: dict[int, int] = {}
         self._observed: set[int] = set()
         self.evicted = 0
 
     def resumable(self, chain: list[int], shared_blocks: int) -> int:
-        """Blocks of a ``shared_blocks``-block match that a hit can resume (deepest kept state)."""
-        return self.registry.deepest(chain, shared_blocks)
+        """Blocks of a ``shared_blocks``-block match that a hit can resume (deepest kept state or
+        anchored page)."""
+        return max(self.registry.deepest(chain, shared_blocks), self.anchors.deepest(chain, shared_blocks))
 
     def lookup(self, request: int, chain: list[int], kv_hit_blocks: int) -> int:
         """The hit of ``request`` whose attention KV matches ``kv_hit_blocks`` blocks: the deepest
-        kept state at or below it. Records the depth (once per request) and vLLM's junction."""
+        kept state or anchored page at or below it. Records the depth (once per request) and
+        vLLM's junction (from the kept states alone)."""
         if request not in self._observed:
             self._observed.add(request)
             self.placement.observe(_root(chain), kv_hit_blocks)
@@ -87,6 +102,11 @@ class StateKeeper:
             self.registry.touch(chain[resume - 1])
         if self._rule(chain) == "vllm" and kv_hit_blocks > resume:
             self._junction[request] = kv_hit_blocks
+        replay = self.anchors.deepest(chain, kv_hit_blocks)
+        if replay > resume:
+            self.anchors.touch(chain[replay - 1])
+            self.replay_hits += 1
+            return replay
         return resume
 
     def _rule(self, chain: list[int]) -> str:
@@ -111,6 +131,9 @@ class StateKeeper:
         for k in range(from_blocks + 1, min(to_blocks, last_boundary) + 1):
             if self._keeps(request, rule, root, k, last_boundary):
                 self.registry.keep(chain[k - 1], k)
+            if self.config.anchor_pages and chain[k - 1] not in self.anchors:
+                self.anchors.keep(chain[k - 1], k)
+                self.anchors.enforce()
         self.evicted += len(self.registry.enforce())
 
     def finished(self, request: int) -> None:
@@ -120,7 +143,8 @@ class StateKeeper:
     def metrics(self) -> dict:
         return {"hybrid_placement": self.config.placement, "states_kept": len(self.registry),
                 "peak_states": self.registry.peak, "states_evicted": self.evicted,
-                "dp_solves": self.placement.num_solves}
+                "dp_solves": self.placement.num_solves, "anchor_pages_kept": len(self.anchors),
+                "replay_hits": self.replay_hits}
 
 
 def _root(chain: list[int]):
