@@ -23,6 +23,8 @@ with it or with a deeper working-set prefix on that request's chain (which is ne
 worse). Prefixes holding the same waiting requests (a prefix group's shared part) form a
 chain that one entry, at its deepest prefix, serves. So an activation that puts a group's
 prefix in the working set moves the whole group with one push, whatever its size.
+:meth:`top_candidates` reads the same heaps for the best request of each of the ``k`` best
+prefix groups (a policy's choices beyond the single best).
 
 Invariants (checked by ``tests/test_cht*.py``):
 
