@@ -44,13 +44,28 @@ def test_k4_env_passes_the_checker_and_masks_empty_slots():
         seen_filled.add(filled)
         action = 4 if filled < 4 else ADD                   # the last slot: empty unless 4 groups wait
         seen_empty += filled < 4
-        running = set(env._sim.running)
-        if filled < 4:                                      # an empty slot is STOP: nothing admitted
-            env._sim.apply(action)
-            assert env._sim._stopped and set(env._sim.running) == running
-            env._sim._pending = (list(point.candidates), [])   # re-arm the point for env.step
         obs, _, terminated, _, _ = env.step(action)
     assert seen_empty and max(seen_filled) > 1
+
+
+def test_an_empty_slot_is_stop_in_the_simulator():
+    import traces
+    from feather_gym.costmodel import load_cost_model
+    from feather_gym.orderings import CHTOrder
+    from feather_gym.simulator import Simulator
+
+    trace = traces.resolve_workload("prefix-groups:groups=2,num_requests=40,rate=200", seed=0)
+    sim = Simulator(trace, load_cost_model("h200"), CHTOrder(), num_candidates=4)
+    while len((point := sim.next_admission()).candidates) == 4:
+        sim.apply(ADD)
+    running, step = set(sim.running), sim.step
+    sim.apply(4)                                            # slot 3 is empty
+    assert set(sim.running) == running and sim._stopped
+    with pytest.raises(RuntimeError):                       # the point is spent
+        sim.apply(ADD)
+    assert sim.next_admission().step > step                 # admission ended for that step
+    with pytest.raises(ValueError, match="outside 0..4"):
+        sim.apply(5)
 
 
 def test_k1_env_is_todays_add_stop_env():
@@ -88,3 +103,15 @@ def test_heaviest_group_is_a_k_way_baseline():
     point.candidates, point._rows = ("a", "b", "c"), np.zeros((4, NUM_FEATURES))
     point._rows[1, 2] = 5.0
     assert policy.decide(point) == ADD + 1
+
+
+def test_feather_train_takes_num_candidates_to_the_env():
+    from trainer.cli import build_train_parser
+    from trainer.config import build_config
+    from trainer.train import env_config
+
+    args = vars(build_train_parser().parse_args(["--num-candidates", "4", "--workload", "no-sharing"]))
+    config = build_config({}, {k: v for k, v in args.items() if k not in ("config", "json")})
+    assert config.num_candidates == 4 and env_config(config.resolved())["num_candidates"] == 4
+    with pytest.raises(ValueError, match="num_candidates"):
+        build_config({}, {"num_candidates": 0, "workloads": ["no-sharing"]}).validate()
