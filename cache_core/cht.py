@@ -323,12 +323,12 @@ class ChunkedHashTree:
     def top_candidates(self, k: int) -> list:
         """The best waiting request of each of the ``k`` best prefix groups, best first.
 
-        A waiting request's *prefix group* is the first chunk it is missing: requests whose
-        ``s`` leading chunks are in the working set and whose chunk ``s + 1`` is the same digest
-        form one group (they would extend the same running prefix the same way); a request with
-        nothing missing is a group of its own. Groups rank by their best request's selection key
-        (:meth:`find_best`), so the first id is ``find_best()`` and ``top_candidates(1) ==
-        [find_best()]``. Fewer than ``k`` ids when fewer groups wait; ``[]`` when nothing waits.
+        A waiting request's *prefix group* is its deepest prefix shared with another waiting
+        request (the group :class:`CandidateStats` ``same_prefix_waiting`` counts); a request
+        that shares no chunk with another waiting one is a group of its own. Groups rank by
+        their best request's selection key (:meth:`find_best`), so the first id is
+        ``find_best()`` and ``top_candidates(1) == [find_best()]``. Fewer than ``k`` ids when
+        fewer groups wait; ``[]`` when nothing waits.
 
         How: a lazy k-way merge of prefix heaps. The global heap is walked in key order (a heap
         of its positions). A valid entry for request ``b`` opens, as a stream of its waiting
@@ -337,8 +337,11 @@ class ChunkedHashTree:
         same waiting requests). Every working-set prefix's best has such an entry (invariant 3)
         that surfaces before any of its other requests' keys, so each request first appears at
         its own key, through its deepest working-set prefix. Only stale prefix-heap tops are
-        popped, before the walk. O((k + d + e + o) log W): ``d`` requests passed over (group already taken, or
-        seen through a deeper prefix), ``e`` global entries walked, ``o`` prefixes opened.
+        popped, before the walk. O((k + d + e + o) (log W + log n)): ``d`` requests passed over
+        (group already taken, or seen through a deeper prefix), ``e`` global entries walked,
+        ``o`` prefixes opened. ``d`` is not bounded by ``k``: the members of a taken group that
+        rank before the next group's best are passed over one by one (a group of 1,000 waiting
+        requests ahead of the next group: ~1,000 heap steps).
         """
         if k < 1:
             raise ValueError(f"top_candidates needs k >= 1, got {k}")
@@ -375,7 +378,7 @@ class ChunkedHashTree:
         push(glob, 0, None)
         opened, seen, groups, out = set(), set(), set(), []
         while merge and len(out) < k:
-            _, negdepth, seq, _, heap, position, prefix = heappop(merge)
+            _, _, seq, _, heap, position, prefix = heappop(merge)
             push(heap, 2 * position + 1, prefix)
             push(heap, 2 * position + 2, prefix)
             request = by_seq.get(seq)
@@ -389,8 +392,9 @@ class ChunkedHashTree:
             if seq in seen:
                 continue
             seen.add(seq)
-            depth = -negdepth
-            group = int(request.digests[depth]) if depth < len(request.digests) else _ROOT - 1 - seq
+            chain = request.digests.tolist()
+            depth = _leading(chain, lambda digest: index[digest].waiting >= 2)
+            group = chain[depth - 1] if depth else _ROOT - 1 - seq
             if group not in groups:
                 groups.add(group)
                 out.append(request.request_id)

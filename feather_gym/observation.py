@@ -38,7 +38,8 @@ offset is 0 and the normalised range is ``[0, OBS_CLIP]``.
 
 Candidates and actions (``k`` = ``num_candidates``, default 1). At a decision point the CHT
 offers up to ``k`` candidates, the best waiting request of each of its ``k`` best prefix groups
-(``ChunkedHashTree.top_candidates``), best first; slot 0 is always filled (the CHT's best, the
+(``ChunkedHashTree.top_candidates``; a request's group is its deepest prefix shared with another
+waiting request, the one ``same_prefix_waiting`` counts), best first; slot 0 is always filled (the CHT's best, the
 one candidate of ``k = 1``). The observation is float32 of :func:`observation_size` ``= k * F + k
 - 1``: the ``k`` rows of the features above (row ``i`` = candidate ``i``, one definition,
 :func:`raw_features`; an empty slot's row is all zeros), flattened row by row, then the

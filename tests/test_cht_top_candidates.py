@@ -1,8 +1,8 @@
 """``ChunkedHashTree.top_candidates`` against a brute force over random operation sequences.
 
 The brute force sorts every waiting request by the selection key ``(missing, -shared,
-arrival)`` and keeps the first request of each prefix group (the first chunk it is missing; a
-request missing nothing is a group of its own).
+arrival)`` and keeps the first request of each prefix group (its deepest prefix shared with
+another waiting request; a request sharing none is a group of its own).
 """
 
 import numpy as np
@@ -15,10 +15,14 @@ from test_cht_properties import apply, operations
 
 
 def brute_force(cht: ChunkedHashTree, digests: dict, k: int) -> list:
+    waiting = cht.waiting_ids()                                    # arrival order = add order
     ranked = []
-    for arrival, request_id in enumerate(cht.waiting_ids()):      # arrival order = add order
-        chain, shared = digests[request_id], cht.shared_chunks(request_id)
-        group = int(chain[shared]) if shared < len(chain) else ("alone", request_id)
+    for arrival, request_id in enumerate(waiting):
+        chain, shared = [int(d) for d in digests[request_id]], cht.shared_chunks(request_id)
+        depth = max((d for d in range(1, len(chain) + 1)
+                     if any(other != request_id and len(digests[other]) >= d and int(digests[other][d - 1]) == chain[d - 1]
+                            for other in waiting)), default=0)
+        group = chain[depth - 1] if depth else ("alone", request_id)
         ranked.append(((len(chain) - shared, -shared, arrival), group, request_id))
     taken, out = set(), []
     for _, group, request_id in sorted(ranked, key=lambda row: row[0]):
@@ -40,7 +44,8 @@ def test_top_candidates_equal_the_brute_force(ops, chunk_size):
 
 
 def test_top_candidates_on_groups_extending_a_running_prefix():
-    """Running: prefix P. Waiting: two groups below P (next chunks A and B), one loner."""
+    """Running: prefix P. Waiting: a1 and a2 share P + 3 (a group), b1 shares only P with them
+    (a group of its own at P), x shares nothing."""
     cht = ChunkedHashTree(chunk_size=1)
     chains = {"run": [1, 2], "a1": [1, 2, 3, 4], "a2": [1, 2, 3], "b1": [1, 2, 5, 6, 7], "x": [9]}
     for request_id, tokens in chains.items():
@@ -55,3 +60,19 @@ def test_top_candidates_on_groups_extending_a_running_prefix():
         pass
     else:
         raise AssertionError("k = 0 must be refused")
+
+
+def test_one_candidate_per_family_while_a_family_runs():
+    """Four families of a shared 3-chunk prefix and distinct suffixes, family 0 running: the four
+    candidates are one request of each family, family 0's first (it misses only its suffix)."""
+    cht = ChunkedHashTree(chunk_size=1)
+    family = {}
+    for member in range(6):
+        for f in range(4):
+            request_id = f"{f}-{member}"
+            family[request_id] = f
+            cht.add(request_id, cht.digests_of(np.array([10 * f + 1, 10 * f + 2, 10 * f + 3, 1000 + 10 * member + f])))
+    cht.activate("0-0")
+    candidates = cht.top_candidates(4)
+    assert [family[c] for c in candidates][0] == 0 and sorted(family[c] for c in candidates) == [0, 1, 2, 3]
+    assert candidates[0] == cht.find_best()
