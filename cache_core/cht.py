@@ -40,7 +40,9 @@ Invariants (checked by ``tests/test_cht*.py``):
    request at ``f`` or deeper on that request's chain. Other entries are redundant or
    stale (discarded lazily). It is rebuilt when longer than
    ``2 * (len(working set) + 1) + _COMPACT_SLACK``.
-4. Memory returns to empty: once every request has finished or been removed, every
+4. ``shared_children`` of the root and of every indexed prefix counts its child prefixes
+   contained in >= 2 waiting requests (so a prefix with none holds one prefix group only).
+5. Memory returns to empty: once every request has finished or been removed, every
    container is empty (:meth:`memory_entries` is all zeros).
 
 Costs below: ``n`` chunks of the request, ``W`` waiting requests, ``R`` digests in the
@@ -92,13 +94,14 @@ class PrefixGroup:
 class _Prefix:
     """One digest of the waiting index."""
 
-    __slots__ = ("depth", "parent", "waiting", "heap")
+    __slots__ = ("depth", "parent", "waiting", "heap", "shared_children")
 
     def __init__(self, depth: int, parent: int | None, key: int) -> None:
         self.depth = depth
         self.parent = parent
         self.waiting = 1      # waiting requests containing this prefix
         self.heap = [key]     # lazy min-heap of their queue keys
+        self.shared_children = 0   # child prefixes contained in >= 2 waiting requests
 
 
 class _Request:
@@ -231,6 +234,7 @@ class ChunkedHashTree:
             heappush(prefix.heap, key)
             if prefix.waiting == 2:
                 shared_prefixes.add(digest)
+                self._parent_of(prefix).shared_children += 1
         parent = chain[indexed - 1] if indexed else None
         for depth in range(indexed + 1, n + 1):
             digest = chain[depth - 1]
@@ -337,11 +341,13 @@ class ChunkedHashTree:
         same waiting requests). Every working-set prefix's best has such an entry (invariant 3)
         that surfaces before any of its other requests' keys, so each request first appears at
         its own key, through its deepest working-set prefix. Only stale prefix-heap tops are
-        popped, before the walk. O((k + d + e + o) (log W + log n)): ``d`` requests passed over
-        (group already taken, or seen through a deeper prefix), ``e`` global entries walked,
-        ``o`` prefixes opened. ``d`` is not bounded by ``k``: the members of a taken group that
-        rank before the next group's best are passed over one by one (a group of 1,000 waiting
-        requests ahead of the next group: ~1,000 heap steps).
+        popped, before the walk. A stream whose prefix is a group's own prefix with no shared
+        child prefix holds that group only, so it is dropped once one of its requests has been
+        read. O((k + d + e + o) (log W + log n)): ``d`` requests passed over (group already
+        taken, or seen through a deeper prefix), ``e`` global entries walked, ``o`` prefixes
+        opened. ``d`` is not bounded by ``k``: members of a taken group that rank before the next
+        group's best in a stream that also holds other groups (the root's, a prefix with shared
+        children) are passed over one by one.
         """
         if k < 1:
             raise ValueError(f"top_candidates needs k >= 1, got {k}")
@@ -376,9 +382,11 @@ class ChunkedHashTree:
                 below = source.waiting
 
         push(glob, 0, None)
-        opened, seen, groups, out = set(), set(), set(), []
+        opened, exhausted, seen, groups, out = set(), set(), set(), set(), []
         while merge and len(out) < k:
             _, _, seq, _, heap, position, prefix = heappop(merge)
+            if prefix in exhausted:
+                continue
             push(heap, 2 * position + 1, prefix)
             push(heap, 2 * position + 2, prefix)
             request = by_seq.get(seq)
@@ -395,6 +403,8 @@ class ChunkedHashTree:
             chain = request.digests.tolist()
             depth = _leading(chain, lambda digest: index[digest].waiting >= 2)
             group = chain[depth - 1] if depth else _ROOT - 1 - seq
+            if depth and depth == prefix.depth and not prefix.shared_children:
+                exhausted.add(prefix)           # all its requests are this group's (invariant 4)
             if group not in groups:
                 groups.add(group)
                 out.append(request.request_id)
@@ -477,7 +487,7 @@ class ChunkedHashTree:
         }
 
     def memory_entries(self) -> dict[str, int]:
-        """Entries held by every internal container (invariant 4: all 0 when idle). O(index)."""
+        """Entries held by every internal container (invariant 5: all 0 when idle). O(index)."""
         return {
             "requests": len(self._waiting) + len(self._waiting_by_seq) + len(self._running),
             "index_prefixes": len(self._index),
@@ -504,6 +514,9 @@ class ChunkedHashTree:
 
     def _in_every_running(self, digest: int) -> bool:
         return self._working_set.get(digest, 0) == len(self._running)
+
+    def _parent_of(self, prefix: _Prefix) -> _Prefix:
+        return self._root if prefix.parent is None else self._index[prefix.parent]
 
     def _live_top(self, prefix: _Prefix) -> int | None:
         """Pop stale keys off ``prefix``'s heap; its top key, or None when empty."""
@@ -542,6 +555,7 @@ class ChunkedHashTree:
                 continue
             if waiting == 1:
                 shared_prefixes.discard(digest)
+                self._parent_of(prefix).shared_children -= 1
             needs_best = depth <= running_depth and (depth > new_from or prefix.heap[0] == key)
             if len(prefix.heap) > 2 * waiting + _COMPACT_SLACK:
                 self._compact(prefix)

@@ -32,6 +32,16 @@ def brute_force(cht: ChunkedHashTree, digests: dict, k: int) -> list:
     return out
 
 
+def assert_shared_children(cht: ChunkedHashTree) -> None:
+    """Invariant 4 of cache_core.cht: each prefix counts its children shared by >= 2 waiting requests."""
+    index = cht._index
+    counts = {id(prefix): 0 for prefix in [cht._root, *index.values()]}
+    for prefix in index.values():
+        if prefix.waiting >= 2:
+            counts[id(cht._root if prefix.parent is None else index[prefix.parent])] += 1
+    assert all(prefix.shared_children == counts[id(prefix)] for prefix in [cht._root, *index.values()])
+
+
 @settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=operations, chunk_size=st.sampled_from([1, 2]))
 def test_top_candidates_equal_the_brute_force(ops, chunk_size):
@@ -40,6 +50,7 @@ def test_top_candidates_equal_the_brute_force(ops, chunk_size):
         next_id = apply(cht, ref, digests, op, next_id)
         for k in (1, 2, 3, 5):
             assert cht.top_candidates(k) == brute_force(cht, digests, k), (k, op)
+        assert_shared_children(cht)
         assert cht.top_candidates(1) == ([cht.find_best()] if cht.num_waiting else [])
 
 
