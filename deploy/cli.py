@@ -43,6 +43,28 @@ def register(commands) -> None:
     from deploy.hybrid_bench import (DEFAULT_ANCHOR_SHARE, DEFAULT_REPLAY_TOKENS, DEFAULT_STATE_BUDGET_MIB,
                                      HYBRID_WORKLOADS, SIDES)
 
+    from deploy.online_loop import DEFAULT_FINE_TUNE_S
+    from deploy.online_loop import DEFAULT_ROUNDS as LOOP_ROUNDS
+
+    loop = serve.add_parser(
+        "loop", help="one online cycle on a live engine: log, refit, fine-tune, then the policy before and after",
+        description="Serve with a run's policy and the step log on, refit the cost model on the logged steps, "
+                    "fine-tune the run on it (feather-train --resume), then vLLM's scheduler, the policy before "
+                    "and the policy after side by side (see deploy/online_loop.py).")
+    loop.add_argument("--run", required=True, help="a feather-train run folder (policy.onnx, checkpoint/)")
+    loop.add_argument("--output", required=True, help="folder for the step log, the refit profile and the tuned run")
+    loop.add_argument("--workload", action="append", metavar="[NAME=]SPEC",
+                      help="workload spec, repeatable (default: feather serve bench's)")
+    loop.add_argument("--rounds", type=int, default=LOOP_ROUNDS, help=f"timed rounds per side (default {LOOP_ROUNDS})")
+    loop.add_argument("--collect-rounds", type=int, default=1, help="rounds served to collect the log (default 1)")
+    loop.add_argument("--fine-tune-s", type=float, default=DEFAULT_FINE_TUNE_S,
+                      help=f"fine-tuning time budget in seconds (default {DEFAULT_FINE_TUNE_S:g})")
+    loop.add_argument("--profile", default=None, help="base cost-model profile to refit (default: this machine's)")
+    loop.add_argument("--kv-cache-gib", type=float, default=None, help="KV-cache size in GiB (default 0.25)")
+    loop.add_argument("--seed", type=int, default=0)
+    loop.add_argument("--json", action="store_true", help="print the report as one JSON object (last line)")
+    loop.set_defaults(func=online_loop_command)
+
     hybrid = serve.add_parser(
         "hybrid-bench", help="recurrent state on a hybrid model at equal bytes: vLLM's align positions, the DP, "
                              "SuffixReplay and DP plus SuffixReplay, live",
@@ -102,6 +124,18 @@ def serve_bench_command(args) -> int:
                          max_output_tokens=args.max_output_tokens, online=args.online, time_scale=args.time_scale,
                          kv_cache_gib=args.kv_cache_gib, seed=args.seed)
     print(format_serve_report(report))
+    if args.json:
+        print(json.dumps(report))
+    return 0
+
+
+def online_loop_command(args) -> int:
+    from deploy.online_loop import format_loop_report, online_loop
+
+    report = online_loop(args.run, output=args.output, workloads=parse_workloads(args.workload), rounds=args.rounds,
+                         collect_rounds=args.collect_rounds, fine_tune_s=args.fine_tune_s, base_profile=args.profile,
+                         kv_cache_gib=args.kv_cache_gib, seed=args.seed)
+    print(format_loop_report(report))
     if args.json:
         print(json.dumps(report))
     return 0
