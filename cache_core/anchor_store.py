@@ -121,5 +121,9 @@ class AnchorStore:
     def __contains__(self, key) -> bool:
         return _key(key) in self._entries
 
+    def __iter__(self):
+        """The stored keys, least recently used first (no LRU update)."""
+        return iter(list(self._entries))
+
     def __len__(self) -> int:
         return len(self._entries)

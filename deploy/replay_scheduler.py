@@ -182,6 +182,13 @@ class SuffixReplayMixin:
         PLAN.take_captured()
         super().shutdown()
 
+    def resumable_blocks(self, request, shared_blocks: int) -> int:
+        """Of ``request``'s first ``shared_blocks`` blocks, those a hit can resume now: up to the
+        deeper of the deepest kept state and the deepest anchored page (the simulator's
+        :meth:`~feather_gym.hybrid.state_keeping.StateKeeper.resumable` with anchors)."""
+        anchored = self.anchors.deepest_hit(request.block_hashes[:shared_blocks]) + 1
+        return max(super().resumable_blocks(request, shared_blocks), anchored)
+
     def feather_stats(self) -> dict:
         """The placement plug-in's figures plus the anchors kept and the replay hits."""
         return {**super().feather_stats(), "replay_tokens": self.replay_config.replay_tokens,

@@ -7,6 +7,8 @@ installs fresh schedulers (empty prefix cache) and compares with vLLM's own.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -93,6 +95,12 @@ def test_a_hit_resumes_at_the_attention_hit_where_vllm_without_a_state_recompute
     assert stats["replay_hits"] == 2 and stats["replay_tokens_resumed"] == 4 * block
     assert stats["anchors_kept"] == 2 and stats["anchor_bytes"] == 2 * stats["anchor_bytes_per_page"]
     assert all(len(o.outputs[0].token_ids) == 8 for o in replayed)
+    # what a Feather policy would read: shared blocks are resumable up to the deepest anchored page
+    first, second = scheduler.anchors
+    assert scheduler.resumable_blocks(SimpleNamespace(block_hashes=[first, second, b"other"]), 3) == 2
+    assert scheduler.resumable_blocks(SimpleNamespace(block_hashes=[first, b"x", b"y"]), 3) == 1
+    assert scheduler.resumable_blocks(SimpleNamespace(block_hashes=[first, second]), 1) == 1
+    assert scheduler.resumable_blocks(SimpleNamespace(block_hashes=[b"x", b"y"]), 2) == 0
 
 
 @slow
