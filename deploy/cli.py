@@ -116,6 +116,14 @@ def parse_workloads(specs: list[str] | None) -> dict[str, str] | None:
     return named
 
 
+def print_report(text: str, report: dict, *, as_json: bool) -> int:
+    """Print a command's table, then (``--json``) its report as one object on the last line; exit code 0."""
+    print(text)
+    if as_json:
+        print(json.dumps(report))
+    return 0
+
+
 def serve_bench_command(args) -> int:
     from deploy.serve_bench import serve_bench
 
@@ -123,10 +131,7 @@ def serve_bench_command(args) -> int:
                          rounds=args.rounds, max_wait_s=args.max_wait_s, max_input_tokens=args.max_input_tokens,
                          max_output_tokens=args.max_output_tokens, online=args.online, time_scale=args.time_scale,
                          kv_cache_gib=args.kv_cache_gib, seed=args.seed)
-    print(format_serve_report(report))
-    if args.json:
-        print(json.dumps(report))
-    return 0
+    return print_report(format_serve_report(report), report, as_json=args.json)
 
 
 def online_loop_command(args) -> int:
@@ -135,10 +140,7 @@ def online_loop_command(args) -> int:
     report = online_loop(args.run, output=args.output, workloads=parse_workloads(args.workload), rounds=args.rounds,
                          collect_rounds=args.collect_rounds, fine_tune_s=args.fine_tune_s, base_profile=args.profile,
                          kv_cache_gib=args.kv_cache_gib, seed=args.seed)
-    print(format_loop_report(report))
-    if args.json:
-        print(json.dumps(report))
-    return 0
+    return print_report(format_loop_report(report), report, as_json=args.json)
 
 
 def hybrid_bench_command(args) -> int:
@@ -150,10 +152,7 @@ def hybrid_bench_command(args) -> int:
                           time_scale=args.time_scale, text=not args.synthetic, seed=args.seed,
                           sides=tuple(s for s in args.sides.split(",") if s), replay_tokens=args.replay_tokens,
                           anchor_share=args.anchor_share)
-    print(format_hybrid_report(report))
-    if args.json:
-        print(json.dumps(report))
-    return 0
+    return print_report(format_hybrid_report(report), report, as_json=args.json)
 
 
 def format_serve_report(report: dict) -> str:
@@ -187,9 +186,7 @@ def bench_policy_command(args) -> int:
     from deploy.policy_bench import bench_policy
 
     report = bench_policy(args.policy, iterations=args.iterations, device=args.device)
-    print(f"policy {report['policy']} on {report['provider']}: decide p50 {report['decide_us_p50']} us "
-          f"(p99 {report['decide_us_p99']}), plain session.run p50 {report['session_run_us_p50']} us, "
-          f"whole decision (CHT + observation + policy) p50 {report['decision_us_p50']} us")
-    if args.json:
-        print(json.dumps(report))
-    return 0
+    text = (f"policy {report['policy']} on {report['provider']}: decide p50 {report['decide_us_p50']} us "
+            f"(p99 {report['decide_us_p99']}), plain session.run p50 {report['session_run_us_p50']} us, "
+            f"whole decision (CHT + observation + policy) p50 {report['decision_us_p50']} us")
+    return print_report(text, report, as_json=args.json)
