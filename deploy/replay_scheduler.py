@@ -108,7 +108,7 @@ class SuffixReplayMixin:
         PLAN.clear_step()
         PLAN.take_captured()
         PLAN.rebuilt_states, PLAN.rebuild_s = 0, 0.0
-        self._rebuild_at: dict[str, tuple[int, dict]] = {}      # request id -> (boundary, anchors), this step
+        self._rebuild_at: dict[str, tuple[int, dict]] = {}      # request id -> (tokens gained, anchors), this step
         self.replay_hits = 0
         self.replay_tokens_resumed = 0        # tokens a replay hit did not recompute beyond vLLM's state hit
 
@@ -131,12 +131,11 @@ class SuffixReplayMixin:
                          if self._page_key(request, b * block) in self.anchors), 0)
         if not boundary:
             return blocks, num_local, junction, diverged
-        self._rebuild_at[request.request_id] = (boundary, self.anchors.get(self._page_key(request, boundary)))
+        anchors = self.anchors.get(self._page_key(request, boundary))
+        self._rebuild_at[request.request_id] = (boundary - num_local, anchors)
         null = self.kv_cache_manager.block_pool.null_block
         rows = tuple([null] * (boundary // block - 1) if gid in self._mamba else group[:boundary // block]
                      for gid, group in enumerate(computed))
-        self.replay_hits += 1
-        self.replay_tokens_resumed += boundary - num_local
         return self.kv_cache_manager.create_kv_cache_blocks(rows), boundary, junction, False
 
     def schedule(self, *args, **kwargs):
@@ -163,6 +162,9 @@ class SuffixReplayMixin:
             rebuild = self._rebuild_at.pop(request_id, None)
             if not captures and rebuild is None:
                 continue                                        # most steps: decodes, nothing to plan
+            if rebuild is not None:                             # counted once scheduled, not per lookup
+                self.replay_hits += 1
+                self.replay_tokens_resumed += rebuild[0]
             for slot in self._running_slots(request_id, end):
                 if rebuild is not None:
                     PLAN.rebuilds[slot] = rebuild[1]
