@@ -7,6 +7,8 @@ from gymnasium.utils.env_checker import check_env
 
 from feather_gym.envs import ENV_ID, BatchFormationEnv
 from feather_gym.observation import FEATURE_NAMES
+from feather_gym.policies import make_policy
+from feather_gym.simulator import simulate
 
 CONFIG = {"workloads": ["prefix-groups:groups=3,num_requests=200,rate=50", "no-sharing:num_requests=200"],
           "profile": "h200", "seed": 0, "window_requests": 24, "max_decisions": 0}
@@ -58,17 +60,30 @@ def test_always_stop_still_terminates(env):
     assert info["decisions"] == len(trajectory) - 1
 
 
-def test_return_is_throughput_relative_to_fcfs():
-    """Without the wait term the return is 1 - makespan / fcfs_makespan: positive iff faster than FCFS."""
-    env = BatchFormationEnv({**CONFIG, "wait_penalty": 0.0})
+@pytest.mark.parametrize("baseline", ["fcfs", "feather-rule"])
+def test_return_is_throughput_relative_to_the_reward_baseline(baseline):
+    """Without the wait term the return is 1 - makespan / baseline_makespan: positive iff faster
+    than the reward baseline (FCFS by default) on the same window."""
+    env = BatchFormationEnv({**CONFIG, "wait_penalty": 0.0, "reward_baseline": baseline})
     for seed, policy in ((0, lambda obs: 1), (1, lambda obs: int(obs[0] < 0.1))):
         _, total, info = rollout(env, seed, policy)
         window = env._sim.trace
         tokens = sum(r.output_len for r in window)
-        expected = (tokens - info["fcfs_throughput_tok_s"] * info["makespan_s"]) / tokens
-        assert expected == pytest.approx(1 - info["makespan_s"] / (tokens / info["fcfs_throughput_tok_s"]))
+        rate = info["baseline_throughput_tok_s"]
+        assert rate == pytest.approx(simulate(window, env.cost_model, make_policy(baseline), config=env.engine)
+                                     .metrics()["throughput_tok_s"])
+        expected = (tokens - rate * info["makespan_s"]) / tokens
+        assert expected == pytest.approx(1 - info["makespan_s"] / (tokens / rate))
         assert total == pytest.approx(expected, rel=1e-6, abs=1e-6)
-        assert (total > 1e-9) == (info["throughput_tok_s"] > info["fcfs_throughput_tok_s"] * (1 + 1e-9))
+        assert (total > 1e-9) == (info["throughput_tok_s"] > rate * (1 + 1e-9))
+
+
+def test_workload_instances_seed_several_traces_of_a_generator():
+    env = BatchFormationEnv({**CONFIG, "workload_instances": 3})
+    assert len(env.workloads) == 3 * len(CONFIG["workloads"])
+    assert len({tuple(trace.requests[0].token_ids[:8]) for trace in env.workloads}) == len(env.workloads)
+    with pytest.raises(ValueError, match="workload_instances"):
+        BatchFormationEnv({**CONFIG, "workload_instances": 0})
 
 
 def test_max_decisions_truncates_and_zero_means_no_limit():

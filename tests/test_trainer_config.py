@@ -29,8 +29,17 @@ def test_the_built_in_mix_follows_the_profiles_device(profile, device):
     assert resolved.workloads == DEFAULT_MIXES[device].workloads
     assert resolved.kv_capacity_tokens == DEFAULT_MIXES[device].kv_capacity_tokens
     assert resolved.engine().kv_capacity_tokens == resolved.kv_capacity_tokens
+    assert resolved.workload_instances == DEFAULT_MIXES[device].workload_instances
     given = TrainConfig(profile=profile, workloads=("no-sharing",)).resolved()
     assert given.workloads == ("no-sharing",) and given.kv_capacity_tokens is None   # the profile's KV
+    assert given.workload_instances == 1
+
+
+def test_the_cpu_mix_has_every_generators_shape():
+    from traces import GENERATOR_KINDS
+
+    kinds = {spec.partition(":")[0] for spec in DEFAULT_MIXES["cpu"].workloads}
+    assert kinds == set(GENERATOR_KINDS)
 
 
 @pytest.mark.parametrize("suffix,text", [
@@ -75,6 +84,16 @@ def test_bad_input_fails_fast_with_a_clear_error(tmp_path, capsys, argv, message
     assert not (tmp_path / "out").exists()          # nothing started, nothing written
 
 
+@pytest.mark.parametrize("settings,message", [
+    ({"reward_baseline": "oracle"}, "reward_baseline: 'oracle' is not a baseline"),
+    ({"workload_instances": 0}, "workload_instances: must be in"),
+    ({"clone_smoothing": 1.0}, "clone_smoothing: must be in"),
+])
+def test_bad_training_settings_name_the_setting(settings, message):
+    with pytest.raises(ValueError, match=message):
+        TrainConfig(workloads=("no-sharing",), **settings).validate()
+
+
 def test_resume_from_a_corrupted_checkpoint_fails_before_training(tmp_path, capsys):
     checkpoint = tmp_path / "checkpoint"
     (checkpoint / "learner_group" / "learner" / "rl_module" / "default_policy").mkdir(parents=True)
@@ -117,6 +136,8 @@ def test_seed_sets_follow_the_env_runners_and_the_warm_start():
     config = TrainConfig(workloads=SMALL, seed=5, num_env_runners=2)
     sets = config.seed_sets()
     assert sets["training env seeds (seed + 1000 x env runner)"] == (1_005, 2_005)
+    several = TrainConfig(workloads=SMALL, seed=5, num_env_runners=2, workload_instances=3).seed_sets()
+    assert several["training env seeds (seed + 1000 x env runner)"] == (1_005, 1_006, 1_007, 2_005, 2_006, 2_007)
     assert sets["warm-start demonstration seeds"] == (50_000, 50_001, 50_002, 50_003)
     assert TrainConfig(num_env_runners=0, seed=5).training_env_seeds() == (5,)     # the local runner's envs
     # Without a warm start (or when resuming) no demonstrations are recorded: their seeds are free.

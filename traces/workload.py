@@ -54,9 +54,24 @@ ENGINE_SIZED_WORKLOADS = {
                      "suffix_tokens_max=64,output_tokens_min=8,output_tokens_max=32"),
     "no-sharing": "no-sharing:num_requests=32,input_tokens_max=512,output_tokens_max=48",
 }
-#: :data:`ENGINE_SIZED_WORKLOADS` with every request arriving within ~0.1 s (``rate=1000``), as
-#: the live bench submits them.
-CPU_ENGINE_WORKLOADS = tuple(f"{spec},rate=1000" for spec in ENGINE_SIZED_WORKLOADS.values())
+#: The other generators' shapes at the same scale, all requests at once: prefix groups of varied
+#: prefix length, document QA, agent loops with growing contexts, and multi-turn chat (turns
+#: 1 ms apart, so a conversation's turns wait together).
+ENGINE_SIZED_SHAPES = {
+    "prefix-varied": ("prefix-groups:num_requests=64,groups=8,prefix_tokens_min=256,prefix_tokens_max=1024,"
+                      "suffix_tokens_min=16,suffix_tokens_max=64,output_tokens_min=8,output_tokens_max=32,rate=1000"),
+    "doc-qa": ("long-doc-qa:num_requests=48,doc_tokens_min=512,doc_tokens_max=2048,questions_min=4,questions_max=8,"
+               "output_tokens_min=4,output_tokens_max=32,rate=1000"),
+    "tool-agent": ("tool-agent:num_requests=48,system_tokens=128,tool_pool=16,tools_per_task=3,tool_tokens_min=32,"
+                   "tool_tokens_max=96,call_output_tokens_min=8,call_output_tokens_max=32,observation_tokens_min=16,"
+                   "observation_tokens_max=64,task_rate=1000,call_gap_s=0.001"),
+    "multi-turn": "multi-turn-chat:num_requests=48,user_tokens_mean=48,assistant_tokens_mean=64,rate=1000,think_time_s=0.001",
+}
+#: The CPU training mix: :data:`ENGINE_SIZED_WORKLOADS` with every request arriving within ~0.1 s
+#: (``rate=1000``), as the live bench submits them, then :data:`ENGINE_SIZED_SHAPES`; every
+#: generator's shape on the CPU engine.
+CPU_ENGINE_WORKLOADS = (*(f"{spec},rate=1000" for spec in ENGINE_SIZED_WORKLOADS.values()),
+                        *ENGINE_SIZED_SHAPES.values())
 SPLIT_PARTS = ("train", "eval")
 DEFAULT_EVAL_FRACTION = 0.3
 

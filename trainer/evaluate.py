@@ -10,13 +10,13 @@ Targets (the issue's): on a prefix-sharing workload the policy must reach the be
 without sharing it must stay within ``NO_SHARING_TOLERANCE`` of FCFS. Throughputs within
 ``TIE_TOLERANCE`` (relative) of the best heuristic count as reaching it (arrival-bound traces
 finish within a fraction of a token per second of each other under every policy). A workload counts as
-prefix-sharing when its ``prefix_sharing_ratio`` (:func:`traces.stats.trace_stats`) is at least
-``SHARING_RATIO_MIN``.
+prefix-sharing when its ``prefix_sharing_ratio`` (:func:`traces.stats.trace_stats`, at the
+engine's block size: the sharing the engine can hit) is at least ``SHARING_RATIO_MIN``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -57,7 +57,8 @@ class Benchmark:
                 trace = traces.resolve_workload(spec, seed=seed)
                 runs.append((trace, trace_digests(trace, self.engine.block_size)))
             self._runs[spec] = runs
-            self.sharing_ratio[spec] = float(np.mean([trace_stats(trace)["prefix_sharing_ratio"] for trace, _ in runs]))
+            self.sharing_ratio[spec] = float(np.mean([trace_stats(trace, block_size=self.engine.block_size)
+                                                      ["prefix_sharing_ratio"] for trace, _ in runs]))
             self.arrival_span[spec] = float(np.mean([trace.duration_s for trace, _ in runs]))
             figures = {name: self.run(spec, make_policy(name)) for name in BASELINES}
             self.baselines[spec] = {name: run.pop("throughput_tok_s") for name, run in figures.items()}
@@ -72,14 +73,15 @@ class Benchmark:
                 for trace, digests in self._runs[spec]]
         return {key: float(np.mean([metrics[key] for metrics in runs])) for key in RUN_FIGURES}
 
-    def judge(self, spec: str, trained: float) -> dict:
+    def judge(self, spec: str, trained: float, references: Mapping[str, float] | None = None) -> dict:
         """The per-workload result for a trained policy reaching ``trained`` tok/s on ``spec``.
 
         ``margin`` is trained over the target's throughput: >= 1 (less the tie tolerance) meets it.
         ``load`` holds the baselines' makespan and queueing delays (:meth:`evaluate` adds the
         trained policy's).
         """
-        mean = {**self.baselines[spec], POLICY_LABEL: trained}
+        references = dict(references or {})
+        mean = {**self.baselines[spec], **references, POLICY_LABEL: trained}
         fcfs = mean["fcfs"]
         sharing = self.sharing_ratio[spec] >= SHARING_RATIO_MIN
         if sharing:
@@ -97,16 +99,22 @@ class Benchmark:
             "ratio_to_fcfs": {name: value / fcfs for name, value in mean.items()},
             "target": target,
             "margin": trained / needed,
+            "trained_over_reference": {label: trained / value for label, value in references.items()},
             "target_met": bool(trained >= (1 - tolerance) * needed),
         }
 
-    def evaluate(self, policy) -> dict:
-        """``{"profile", "seeds", "workloads": [judge(...) per workload]}`` for ``policy``."""
+    def evaluate(self, policy, references: Mapping[str, object] | None = None) -> dict:
+        """``{"profile", "seeds", "workloads": [judge(...) per workload]}`` for ``policy``.
+
+        ``references`` (label -> policy, e.g. the warm-start clone) run beside it: shown in every
+        table and in ``trained_over_reference``, never a target."""
         results = []
         for spec in self._runs:
-            figures = self.run(spec, policy)
-            result = self.judge(spec, figures.pop("throughput_tok_s"))
-            result["load"][POLICY_LABEL] = figures
+            figures = {label: self.run(spec, other) for label, other in {**(references or {}), POLICY_LABEL: policy}.items()}
+            throughput = {label: run.pop("throughput_tok_s") for label, run in figures.items()}
+            trained = throughput.pop(POLICY_LABEL)
+            result = self.judge(spec, trained, throughput)
+            result["load"].update(figures)
             results.append(result)
         return {"profile": self.profile, "seeds": self.seeds, "workloads": results}
 
@@ -120,13 +128,13 @@ def validation_score(evaluation: dict) -> tuple[float, float]:
 
 
 def evaluate_policy(policy_path: str | Path, *, workloads: Sequence[str], profile: str,
-                    seeds: Sequence[int], engine=None) -> dict:
+                    seeds: Sequence[int], engine=None, references: Mapping[str, str | Path] | None = None) -> dict:
     """:meth:`Benchmark.evaluate` of the ONNX policy file ``policy_path`` (``engine``: an
-    ``EngineConfig``, default the profile's)."""
+    ``EngineConfig``, default the profile's), beside the ``references`` (label -> ONNX file)."""
     from feather_gym.policies import make_policy
 
-    return Benchmark(workloads=workloads, profile=profile, seeds=seeds,
-                     engine=engine).evaluate(make_policy(str(policy_path)))
+    return Benchmark(workloads=workloads, profile=profile, seeds=seeds, engine=engine).evaluate(
+        make_policy(str(policy_path)), {label: make_policy(str(path)) for label, path in (references or {}).items()})
 
 
 def format_table(evaluation: dict) -> str:

@@ -1,4 +1,5 @@
-"""Train the Feather ADD/STOP policy with RLlib PPO (new API stack) in the Feather gym.
+"""Train the Feather admission policy (STOP, or admit one of the CHT's candidates) with RLlib PPO
+(new API stack) in the Feather gym.
 
 One run: start (or join) Ray, build PPO on ``feather_gym/BatchFormation-v0`` with the run's
 workload mix and cost-model profile, warm-start the network from a baseline
@@ -11,6 +12,7 @@ the learning curve and a JSON summary. Output folder layout::
 
     <output>/checkpoint/        best-validated RLlib checkpoint (+ feather_training.json: profile, workloads, date)
     <output>/policy.onnx        the exported policy (trainer.export contract)
+    <output>/clone.onnx         the warm-start clone as PPO began, evaluated beside it (absent when resuming)
     <output>/learning_curve.png
     <output>/summary.json       config, history, warm start, validation, timings, export parity, evaluation
     <output>/tensorboard/       RLlib result metrics as TensorBoard events
@@ -35,6 +37,7 @@ from trainer.logs import IterationRecord, RunLog
 
 RLLIB_ENV_NAME = "feather-batch-formation"
 TRAINING_INFO_FILE = "feather_training.json"   # inside the checkpoint: what export needs to label the policy
+CLONE_FILE, CLONE_LABEL = "clone.onnx", "clone"   # the warm-start clone, evaluated beside the trained policy
 
 
 def make_training_env(env_context):
@@ -75,7 +78,8 @@ def env_config(config: TrainConfig) -> dict:
     settings = {"workloads": list(config.training_workloads()), "profile": config.profile, "seed": config.seed,
                 "window_requests": config.window_requests, "max_decisions": config.max_decisions,
                 "wait_penalty": config.wait_penalty, "kv_capacity_tokens": config.kv_capacity_tokens,
-                "num_candidates": config.num_candidates}
+                "num_candidates": config.num_candidates, "workload_instances": config.workload_instances,
+                "reward_baseline": config.reward_baseline}
     return {key: value for key, value in settings.items() if value is not None}
 
 
@@ -156,13 +160,40 @@ class BestCheckpoint:
         evaluation = self.benchmark.evaluate(NetworkPolicy(module, self.num_candidates))
         score = validation_score(evaluation)
         worst, mean = min(result["margin"] for result in evaluation["workloads"]), score[1]
-        self.history.append({"iteration": iteration, "worst_margin": worst, "mean_margin": mean})
+        margins = [round(result["margin"], 4) for result in evaluation["workloads"]]
+        self.history.append({"iteration": iteration, "worst_margin": worst, "mean_margin": mean, "margins": margins})
         kept = score > self.best_score
         if kept:
             self.best_score, self.best_iteration = score, iteration
             self.algo.save_to_path(str(self.path.resolve()))
-        return (f"validation after iteration {iteration}: margin worst {worst:.4f} mean {mean:.4f}"
+        return (f"validation after iteration {iteration}: margin worst {worst:.4f} mean {mean:.4f} "
+                f"[{' '.join(f'{margin:.4f}' for margin in margins)}]"
                 + (" (best so far, checkpoint saved)" if kept else f" (best at iteration {self.best_iteration})"))
+
+
+def export_clone(algo, config: TrainConfig, path: Path) -> Path:
+    """Export the learner's network as it is now (right after the warm start: the clone) to
+    ``path``, so the final evaluation can show what PPO added to it."""
+    import copy
+
+    from ray.rllib.core import DEFAULT_MODULE_ID
+    from trainer.export import PolicyLogits, export_policy_module
+
+    module = next(iter(algo.learner_group.foreach_learner(lambda learner: learner.module[DEFAULT_MODULE_ID]))).get()
+    export_policy_module(PolicyLogits(copy.deepcopy(module)), path, profile=config.profile,
+                         workload=list(config.workloads))
+    return path
+
+
+def beyond_clone(evaluation: dict) -> dict:
+    """Per workload, the trained policy's throughput over the warm-start clone's, and the
+    workloads where it is higher by more than the evaluation's tie tolerance: what PPO learned."""
+    from trainer.evaluate import TIE_TOLERANCE
+
+    ratios = {result["workload"]: result["trained_over_reference"][CLONE_LABEL] for result in evaluation["workloads"]}
+    return {"ratio_by_workload": ratios,
+            "better_on": [spec for spec, ratio in ratios.items() if ratio > 1 + TIE_TOLERANCE],
+            "worse_on": [spec for spec, ratio in ratios.items() if ratio < 1 - TIE_TOLERANCE]}
 
 
 def train_loop(algo, config: TrainConfig, run_log: RunLog, best: BestCheckpoint, *,
@@ -226,14 +257,15 @@ def train(config: TrainConfig, *, progress: Callable[[str], None] = print) -> di
     with ray_session(config.ray_address), RunLog(out / "tensorboard") as run_log:
         algo = build_algorithm(config)
         try:
-            warm = None
+            warm = clone_path = None
             if config.resume:
                 restore(algo, config.resume)
                 progress(f"resumed from {config.resume}")
             elif config.warm_start != "none":
-                warm = warm_start(algo, config.warm_start, env_config(config))
+                warm = warm_start(algo, config.warm_start, env_config(config), smoothing=config.clone_smoothing)
                 progress(f"warm start: cloned {warm['policy']} from {warm['decisions']:,} decisions "
                          f"(accuracy {warm['accuracy']:.3f}, ADD share {warm['add_fraction']:.3f})")
+                clone_path = export_clone(algo, config, out / CLONE_FILE)
             checkpoint = out / "checkpoint"
             best = BestCheckpoint(algo, config, checkpoint)
             progress(best.validate(algo.iteration))   # 0, or the resumed checkpoint's iteration
@@ -253,8 +285,13 @@ def train(config: TrainConfig, *, progress: Callable[[str], None] = print) -> di
              f"real {parity['max_abs_diff_real']:.2g})")
     eval_start = time.monotonic()
     evaluation = evaluate_policy(policy_path, workloads=config.evaluation_workloads(), profile=config.profile,
-                                 seeds=config.eval_seeds, engine=config.engine())
+                                 seeds=config.eval_seeds, engine=config.engine(),
+                                 references={CLONE_LABEL: clone_path} if clone_path else None)
     progress(format_table(evaluation))
+    clone = beyond_clone(evaluation) if clone_path else None
+    if clone:
+        progress("trained over its warm-start clone: " + ", ".join(
+            f"{spec.partition(':')[0]} {ratio:.4f}x" for spec, ratio in clone["ratio_by_workload"].items()))
     summary = {
         "config": config.to_json(),
         "trained_at": trained_at.isoformat(),
@@ -272,6 +309,7 @@ def train(config: TrainConfig, *, progress: Callable[[str], None] = print) -> di
                        "best_score": list(best.best_score), "history": best.history},
         "export_parity": parity,
         "evaluation": evaluation,
+        "beyond_clone": clone,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary

@@ -20,6 +20,11 @@ How: run the heuristic in the training env (same workloads, profile and episode 
 PPO), record observations, the heuristic's actions and the undiscounted return-to-go of every
 decision, then fit the module's policy head by cross-entropy (behaviour cloning) and its value
 head by mean squared error to those returns, so PPO's first advantages are already meaningful.
+
+The cross-entropy is label-smoothed (``TrainConfig.clone_smoothing``, 0.1 by default): a clone
+fitted to one-hot labels puts all probability on the demonstrator's action, the rule admits only
+slot 0, and PPO then never samples another slot or a STOP, so it has nothing to compare and keeps
+the clone. Smoothed, the other actions keep a little probability each.
 """
 
 from __future__ import annotations
@@ -70,7 +75,7 @@ def record_demonstrations(policy_name: str, env_config: dict, *, seeds: int) -> 
     obs_rows, actions, returns = [], [], []
     for workload in env_config["workloads"]:
         for seed in range(DEMO_SEED_BASE, DEMO_SEED_BASE + seeds):
-            env = gym.make(ENV_ID, **{**env_config, "workloads": [workload], "seed": seed})
+            env = gym.make(ENV_ID, **{**env_config, "workloads": [workload], "seed": seed, "workload_instances": 1})
             obs, _ = env.reset()
             policy.reset()
             rewards = []
@@ -89,7 +94,7 @@ def record_demonstrations(policy_name: str, env_config: dict, *, seeds: int) -> 
 
 
 def clone_into(module, demos: Demonstrations, *, epochs: int = 30, batch_size: int = 512, lr: float = 3e-3,
-               seed: int = 0) -> dict:
+               smoothing: float = 0.0, seed: int = 0) -> dict:
     """Fit ``module`` (RLlib's default PPO torch module) to ``demos``: policy logits by
     cross-entropy to the actions, value by MSE to the returns. Returns the final accuracy and
     value error on the demonstrations."""
@@ -105,7 +110,8 @@ def clone_into(module, demos: Demonstrations, *, epochs: int = 30, batch_size: i
     for _ in range(epochs):
         for rows in torch.randperm(len(obs), generator=generator).split(batch_size):
             out = module.forward_train({Columns.OBS: obs[rows]})
-            policy_loss = torch.nn.functional.cross_entropy(out[Columns.ACTION_DIST_INPUTS], actions[rows])
+            policy_loss = torch.nn.functional.cross_entropy(out[Columns.ACTION_DIST_INPUTS], actions[rows],
+                                                                  label_smoothing=smoothing)
             value_loss = torch.nn.functional.mse_loss(module.compute_values({Columns.OBS: obs[rows]}), returns[rows])
             optimizer.zero_grad()
             (policy_loss + value_loss).backward()   # separate encoders (vf_share_layers=False): no interference
@@ -117,13 +123,14 @@ def clone_into(module, demos: Demonstrations, *, epochs: int = 30, batch_size: i
             "value_rmse": float(torch.sqrt(torch.mean((values - returns) ** 2)))}
 
 
-def warm_start(algo, policy_name: str, env_config: dict) -> dict:
+def warm_start(algo, policy_name: str, env_config: dict, *, smoothing: float = 0.0) -> dict:
     """Record ``policy_name`` in the env, clone it into every learner's module, and push the
     weights to the env runners. Returns a report for the run summary."""
     from ray.rllib.core import DEFAULT_MODULE_ID
 
     demos = record_demonstrations(policy_name, env_config, seeds=DEMO_SEEDS)
-    calls = algo.learner_group.foreach_learner(lambda learner: clone_into(learner.module[DEFAULT_MODULE_ID], demos))
+    calls = algo.learner_group.foreach_learner(lambda learner: clone_into(learner.module[DEFAULT_MODULE_ID], demos,
+                                                                              smoothing=smoothing))
     fit = next(iter(calls)).get()     # RemoteCallResults; raises the learner's error, if any
     algo.env_runner_group.sync_weights(from_worker_or_learner_group=algo.learner_group, inference_only=True)
     return {"policy": policy_name, "decisions": len(demos.actions), "add_fraction": demos.add_fraction, **fit}

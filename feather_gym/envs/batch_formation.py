@@ -9,9 +9,11 @@ import numpy as np
 
 import traces
 from feather_gym.costmodel import hardware_profile, load_cost_model
-from feather_gym.observation import ADD, DEFAULT_NUM_CANDIDATES, OBS_CLIP, check_num_candidates, observation_size
-from feather_gym.orderings import CHTOrder, FCFSOrder
-from feather_gym.simulator import EngineConfig, Simulator, trace_digests
+from feather_gym.observation import DEFAULT_NUM_CANDIDATES, OBS_CLIP, check_num_candidates, observation_size
+from feather_gym.orderings import CHTOrder
+from feather_gym.policies import make_policy
+from feather_gym.simulator import EngineConfig, Simulator, simulate, trace_digests
+from traces.workload import is_generated
 
 #: Windows start on a grid of ``window_requests // WINDOW_STARTS_PER_WINDOW`` requests, so a
 #: trace of N requests offers about ``4 N / window_requests`` distinct windows, each built once.
@@ -36,7 +38,15 @@ DEFAULT_CONFIG = {
     "max_wait_s": EngineConfig.max_wait_s,
     "kv_capacity_tokens": None,   # None: the profile's
     "num_candidates": DEFAULT_NUM_CANDIDATES,   # k: 1 is ADD/STOP on the CHT's best candidate
+    "workload_instances": 1,  # generated traces per workload spec, seeds seed .. seed + n - 1
+    "reward_baseline": "fcfs",   # the policy whose throughput on the window a step must beat
 }
+
+
+def instances_of(spec: str, instances: int) -> int:
+    """Traces the env builds of ``spec``: ``instances`` seeds of a generator, one of a trace file
+    (which ignores the seed)."""
+    return instances if is_generated(spec) else 1
 
 
 class BatchFormationEnv(gym.Env):
@@ -90,18 +100,21 @@ class BatchFormationEnv(gym.Env):
 
         r = (tokens emitted - b * elapsed_s - wait_penalty * excess_wait_s * b) / T
 
-    ``b`` is the throughput FCFS reaches on the same window (one FCFS simulation per window,
-    cached), and ``excess_wait_s`` is the time admissions waited beyond ``wait_bound_s``.
-    Every request finishes within a terminated episode, so without the wait term the return is
-    ``1 - makespan / fcfs_makespan``: the share of FCFS's time the policy saves, positive
-    exactly when it beats FCFS; returns rank policies as their end-to-end throughput on the
-    window does, and stay of order 1 on windows of any size (value functions learn them at
-    ordinary learning rates).
+    ``b`` is the throughput the ``reward_baseline`` policy (FCFS by default) reaches on the
+    same window (one simulation per window, cached), and ``excess_wait_s`` is the time
+    admissions waited beyond ``wait_bound_s``. Every request finishes within a terminated
+    episode, so without the wait term the return is ``1 - makespan / baseline_makespan``: the
+    share of the baseline's time the policy saves, positive exactly when it beats the baseline;
+    returns rank policies as their end-to-end throughput on the window does, and stay of order
+    1 on windows of any size (value functions learn them at ordinary learning rates). The reward
+    is already in simulated time, step by step (a step that takes longer costs more), so with
+    the trainer's undiscounted returns a semi-MDP discount would change nothing.
 
     ## Starting State
-    A window of ``window_requests`` consecutive requests of one of ``workloads`` (chosen, with
+    A window of ``window_requests`` consecutive requests of one of the traces (``workload_instances``
+    seeded traces of each generator spec of ``workloads``, one of each trace file; chosen, with
     its start on a grid of ``window_requests // 4`` requests, by the seeded ``np_random``;
-    windows and their FCFS baselines are cached), arrival times shifted to start at 0, an empty KV
+    windows and their reward baselines are cached), arrival times shifted to start at 0, an empty KV
     cache; the first observation is the first admission point with a non-empty batch. Windows
     with no decision at all are redrawn.
 
@@ -119,7 +132,9 @@ class BatchFormationEnv(gym.Env):
     generation, and the episode stream unless ``reset(seed=...)``), ``window_requests``,
     ``max_decisions`` (0: no limit), ``wait_bound_s``, ``wait_penalty``, ``token_budget`` (None: the
     profile's), ``max_num_seqs``, ``max_wait_s`` (the admission's waiting-time bound, as deployed),
-    ``kv_capacity_tokens`` (None: the profile's), ``num_candidates`` (``k``, >= 1).
+    ``kv_capacity_tokens`` (None: the profile's), ``num_candidates`` (``k``, >= 1),
+    ``workload_instances`` (traces of each generator spec, seeds ``seed .. seed + n - 1``; a trace
+    file is one trace), ``reward_baseline`` (a baseline name of :data:`feather_gym.policies.BASELINES`).
     """
 
     metadata = {"render_modes": []}
@@ -142,7 +157,10 @@ class BatchFormationEnv(gym.Env):
         self.engine = EngineConfig(token_budget=config["token_budget"], max_num_seqs=config["max_num_seqs"],
                                    max_wait_s=config["max_wait_s"],
                                    kv_capacity_tokens=config["kv_capacity_tokens"]).resolve(self.cost_model)
-        self.workloads = [traces.resolve_workload(spec, seed=config["seed"]) for spec in workloads]
+        if config["workload_instances"] < 1:
+            raise ValueError(f"workload_instances must be >= 1, got {config['workload_instances']}")
+        self.workloads = [traces.resolve_workload(spec, seed=config["seed"] + i)
+                          for spec in workloads for i in range(instances_of(spec, config["workload_instances"]))]
         self._digests = [trace_digests(trace, self.engine.block_size) for trace in self.workloads]
         self._windows: dict[tuple[int, int], tuple] = {}
         self.observation_space = gym.spaces.Box(0.0, OBS_CLIP, (observation_size(k),), np.float32)
@@ -214,11 +232,10 @@ class BatchFormationEnv(gym.Env):
             shifted = [dataclasses.replace(r, arrival_s=r.arrival_s - t0) for r in requests]
             window = traces.Trace(f"{trace.name}[{start}:{start + size}]", shifted, trace.source, trace.block_size)
             digests = self._digests[w][start:start + size]
-            fcfs = Simulator(window, self.cost_model, FCFSOrder(), config=self.engine, digests=digests)
-            while fcfs.next_admission() is not None:
-                fcfs.apply(ADD)
+            baseline = simulate(window, self.cost_model, make_policy(self.config["reward_baseline"]),
+                                config=self.engine, digests=digests)
             total_output = sum(r.output_len for r in shifted)
-            self._windows[key] = (window, digests, fcfs.tokens_out / max(fcfs.now_s, 1e-9), total_output)
+            self._windows[key] = (window, digests, baseline.metrics()["throughput_tok_s"], total_output)
         return self._windows[key]
 
     def _reward(self) -> float:
@@ -237,7 +254,7 @@ class BatchFormationEnv(gym.Env):
         return {
             "workload": self.workloads[self._episode[0]].name,
             "throughput_tok_s": sim.tokens_out / max(sim.now_s, 1e-9),
-            "fcfs_throughput_tok_s": self._baseline,
+            "baseline_throughput_tok_s": self._baseline,
             "makespan_s": sim.now_s,
             "decisions": sim.num_decisions,
         }
