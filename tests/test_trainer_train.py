@@ -32,7 +32,7 @@ def test_tiny_training_run_exports_a_valid_policy(tmp_path, capsys, monkeypatch)
     config = TrainConfig(workloads=WORKLOADS, profile="h100", iterations=2, num_env_runners=0,
                          envs_per_env_runner=2, window_requests=32, train_batch_size=256, minibatch_size=128,
                          num_epochs=1, hidden_sizes=(16,), eval_seeds=(10_001,), validation_seeds=(20_001,),
-                         validate_every=1, output_dir=Path("run"))
+                         validate_every=1, num_candidates=1, output_dir=Path("run"))
     summary = train(config, progress=print)
     out = tmp_path / "run"
 
