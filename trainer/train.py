@@ -153,10 +153,9 @@ class BestCheckpoint:
 
     def validate(self, iteration: int) -> str:
         """Score the current network; save the checkpoint when it is the best so far. Returns a log line."""
-        from ray.rllib.core import DEFAULT_MODULE_ID
         from trainer.evaluate import validation_score
 
-        module = next(iter(self.algo.learner_group.foreach_learner(lambda learner: learner.module[DEFAULT_MODULE_ID]))).get()
+        module = learner_module(self.algo)
         evaluation = self.benchmark.evaluate(NetworkPolicy(module, self.num_candidates))
         score = validation_score(evaluation)
         worst, mean = min(result["margin"] for result in evaluation["workloads"]), score[1]
@@ -171,15 +170,21 @@ class BestCheckpoint:
                 + (" (best so far, checkpoint saved)" if kept else f" (best at iteration {self.best_iteration})"))
 
 
+def learner_module(algo):
+    """The (local) learner's RLModule: the network PPO is training."""
+    from ray.rllib.core import DEFAULT_MODULE_ID
+
+    return next(iter(algo.learner_group.foreach_learner(lambda learner: learner.module[DEFAULT_MODULE_ID]))).get()
+
+
 def export_clone(algo, config: TrainConfig, path: Path) -> Path:
     """Export the learner's network as it is now (right after the warm start: the clone) to
     ``path``, so the final evaluation can show what PPO added to it."""
     import copy
 
-    from ray.rllib.core import DEFAULT_MODULE_ID
     from trainer.export import PolicyLogits, export_policy_module
 
-    module = next(iter(algo.learner_group.foreach_learner(lambda learner: learner.module[DEFAULT_MODULE_ID]))).get()
+    module = learner_module(algo)
     export_policy_module(PolicyLogits(copy.deepcopy(module)), path, profile=config.profile,
                          workload=list(config.workloads))
     return path
