@@ -86,6 +86,21 @@ def test_workload_instances_seed_several_traces_of_a_generator():
         BatchFormationEnv({**CONFIG, "workload_instances": 0})
 
 
+def test_envs_of_one_configuration_share_their_traces_and_windows():
+    """RLlib builds a runner's sub-envs with one config: they build the traces and each window's
+    baseline run once between them; a setting the windows depend on gives a set of its own."""
+    first, second = BatchFormationEnv(CONFIG), BatchFormationEnv(CONFIG)
+    assert first.workloads is second.workloads and first._windows is second._windows
+    first.reset(seed=5)
+    second.reset(seed=5)
+    assert second._sim.trace is first._sim.trace   # the window the first env built
+    for setting in ({"reward_baseline": "feather-rule"}, {"seed": 1}, {"profile": "cpu"}):
+        assert BatchFormationEnv({**CONFIG, **setting})._windows is not first._windows
+    shorter = BatchFormationEnv({**CONFIG, "window_requests": 12})   # the same set: windows are keyed by size
+    shorter.reset(seed=5)
+    assert len(shorter._sim.trace) == 12
+
+
 def test_max_decisions_truncates_and_zero_means_no_limit():
     limited = BatchFormationEnv({**CONFIG, "max_decisions": 5})
     limited.reset(seed=3)

@@ -1,10 +1,12 @@
 """How a trained policy is judged: the targets per workload and the validation score."""
 
+import numpy as np
 import pytest
 
 import traces
 from feather_gym.policies import BASELINES, make_policy
-from trainer.evaluate import POLICY_LABEL, Benchmark, format_table, validation_score
+from trainer.evaluate import POLICY_LABEL, TIE_TOLERANCE, Benchmark, format_table, paired_ratio, validation_score
+from trainer.train import beyond_clone
 
 WORKLOADS = ("prefix-groups:num_requests=120,groups=3,rate=100", "no-sharing:num_requests=120")
 
@@ -41,6 +43,41 @@ def test_a_reference_runs_beside_the_policy_and_is_never_the_target(bench):
         assert result["trained_over_reference"] == {"clone": throughput["trained"] / throughput["clone"]}
         assert "clone" not in result["target"]
     assert "clone" in format_table(evaluation)
+
+
+def test_paired_ratio_compares_run_by_run():
+    pair = paired_ratio([10.0, 20.0, 30.0], [10.0, 10.0, 40.0])
+    assert pair["ratio_mean"] == pytest.approx((1 + 2 + 0.75) / 3)
+    assert pair["ratio_sem"] == pytest.approx(np.std([1, 2, 0.75], ddof=1) / np.sqrt(3))
+    assert (pair["runs_faster"], pair["runs_slower"]) == (1, 1)
+    assert paired_ratio([5.0], [4.0]) == {"ratio_mean": 1.25, "ratio_sem": 0.0, "runs_faster": 1, "runs_slower": 0}
+
+
+def test_the_reference_is_compared_on_the_same_runs():
+    """The paired ratio is taken seed by seed: the per-run throughputs of the two policies (on a
+    workload where they differ: the CPU mix's prefix-heavy, which overflows 5,760 KV tokens)."""
+    from feather_gym.simulator import EngineConfig
+    from traces.workload import ENGINE_SIZED_WORKLOADS
+
+    heavy = ENGINE_SIZED_WORKLOADS["prefix-heavy"]
+    bench = Benchmark(workloads=(heavy,), profile="vllm-cpu", seeds=(10_001, 10_002, 10_003),
+                      engine=EngineConfig(kv_capacity_tokens=5760))
+    trained, clone = make_policy("fcfs"), make_policy("feather-rule")
+    result = bench.evaluate(trained, {"clone": clone})["workloads"][0]
+    expected = paired_ratio(bench.runs(heavy, trained)["throughput_tok_s"], bench.runs(heavy, clone)["throughput_tok_s"])
+    assert result["trained_over_reference_paired"] == {"clone": expected}
+    assert expected["runs_slower"] == 3 and expected["ratio_mean"] < 1   # FCFS evicts the shared prefixes
+
+
+def test_beyond_clone_counts_only_differences_beyond_noise():
+    def result(spec, mean, sem):
+        pair = {"ratio_mean": mean, "ratio_sem": sem, "runs_faster": 0, "runs_slower": 0}
+        return {"workload": spec, "trained_over_reference": {"clone": mean}, "trained_over_reference_paired": {"clone": pair}}
+
+    clone = beyond_clone({"workloads": [result("learned", 1.01, 0.004), result("noise", 1.01, 0.006),
+                                        result("lost", 0.99, 0.001), result("tie", 1 + TIE_TOLERANCE / 2, 0.0)]})
+    assert clone["better_on"] == ["learned"] and clone["worse_on"] == ["lost"]
+    assert clone["ratio_by_workload"]["noise"] == 1.01 and clone["paired_by_workload"]["tie"]["ratio_sem"] == 0.0
 
 
 def test_validation_score_ranks_the_worst_workload_first():

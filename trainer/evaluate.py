@@ -27,6 +27,7 @@ REFERENCE_ONLY = ("group-label",)   # reads the generators' group labels: shown,
 RUN_FIGURES = ("throughput_tok_s", "makespan_s", "queue_delay_mean_s", "queue_delay_p99_s")
 NO_SHARING_TOLERANCE = 0.02
 TIE_TOLERANCE = 0.001
+SIGNIFICANT_SEM = 2.0   # a paired mean ratio this many standard errors from 1 is a difference, not noise
 SHARING_RATIO_MIN = 0.05
 
 
@@ -64,14 +65,18 @@ class Benchmark:
             self.baselines[spec] = {name: run.pop("throughput_tok_s") for name, run in figures.items()}
             self.loads[spec] = figures
 
-    def run(self, spec: str, policy) -> dict:
-        """:data:`RUN_FIGURES` of ``policy`` (a :class:`feather_gym.policies.Policy`) on ``spec``:
-        throughput (output tok/s), makespan and queueing delays (s), each the mean over the runs."""
+    def runs(self, spec: str, policy) -> dict[str, np.ndarray]:
+        """:data:`RUN_FIGURES` of ``policy`` (a :class:`feather_gym.policies.Policy`) on each of
+        ``spec``'s runs, in seed order: throughput (output tok/s), makespan and queueing delays (s)."""
         from feather_gym.simulator import simulate
 
         runs = [simulate(trace, self.cost_model, policy, config=self.engine, digests=digests).metrics()
                 for trace, digests in self._runs[spec]]
-        return {key: float(np.mean([metrics[key] for metrics in runs])) for key in RUN_FIGURES}
+        return {key: np.array([metrics[key] for metrics in runs]) for key in RUN_FIGURES}
+
+    def run(self, spec: str, policy) -> dict:
+        """:meth:`runs`, each figure the mean over the runs."""
+        return _means(self.runs(spec, policy))
 
     def judge(self, spec: str, trained: float, references: Mapping[str, float] | None = None) -> dict:
         """The per-workload result for a trained policy reaching ``trained`` tok/s on ``spec``.
@@ -107,16 +112,36 @@ class Benchmark:
         """``{"profile", "seeds", "workloads": [judge(...) per workload]}`` for ``policy``.
 
         ``references`` (label -> policy, e.g. the warm-start clone) run beside it: shown in every
-        table and in ``trained_over_reference``, never a target."""
+        table, in ``trained_over_reference`` (ratio of the mean throughputs) and in
+        ``trained_over_reference_paired`` (:func:`paired_ratio`), never a target."""
         results = []
         for spec in self._runs:
-            figures = {label: self.run(spec, other) for label, other in {**(references or {}), POLICY_LABEL: policy}.items()}
+            per_run = {label: self.runs(spec, other) for label, other in {**(references or {}), POLICY_LABEL: policy}.items()}
+            figures = {label: _means(runs) for label, runs in per_run.items()}
             throughput = {label: run.pop("throughput_tok_s") for label, run in figures.items()}
             trained = throughput.pop(POLICY_LABEL)
             result = self.judge(spec, trained, throughput)
             result["load"].update(figures)
+            result["trained_over_reference_paired"] = {
+                label: paired_ratio(per_run[POLICY_LABEL]["throughput_tok_s"], per_run[label]["throughput_tok_s"])
+                for label in references or {}}
             results.append(result)
         return {"profile": self.profile, "seeds": self.seeds, "workloads": results}
+
+
+def _means(runs: Mapping[str, np.ndarray]) -> dict:
+    return {key: float(values.mean()) for key, values in runs.items()}
+
+
+def paired_ratio(trained: np.ndarray, reference: np.ndarray) -> dict:
+    """The per-run throughput ratios ``trained / reference`` (each run one trace under both
+    policies, so trace-to-trace variation cancels): their mean, its standard error (0 for a
+    single run), and the runs on which the trained policy is faster and slower (equal: neither).
+    A difference smaller than ``SIGNIFICANT_SEM`` standard errors is not evidence of one."""
+    ratio = np.asarray(trained, dtype=float) / np.asarray(reference, dtype=float)
+    sem = float(ratio.std(ddof=1) / np.sqrt(ratio.size)) if ratio.size > 1 else 0.0
+    return {"ratio_mean": float(ratio.mean()), "ratio_sem": sem,
+            "runs_faster": int((ratio > 1).sum()), "runs_slower": int((ratio < 1).sum())}
 
 
 def validation_score(evaluation: dict) -> tuple[float, float]:

@@ -191,14 +191,24 @@ def export_clone(algo, config: TrainConfig, path: Path) -> Path:
 
 
 def beyond_clone(evaluation: dict) -> dict:
-    """Per workload, the trained policy's throughput over the warm-start clone's, and the
-    workloads where it is higher by more than the evaluation's tie tolerance: what PPO learned."""
-    from trainer.evaluate import TIE_TOLERANCE
+    """Per workload, the trained policy's throughput over the warm-start clone's (ratio of the
+    means, and the per-run paired ratio of :func:`trainer.evaluate.paired_ratio`), and the
+    workloads where the paired ratio is above or below 1 by more than both the tie tolerance and
+    ``SIGNIFICANT_SEM`` standard errors: what PPO learned, and what it lost, beyond noise."""
+    from trainer.evaluate import SIGNIFICANT_SEM, TIE_TOLERANCE
 
-    ratios = {result["workload"]: result["trained_over_reference"][CLONE_LABEL] for result in evaluation["workloads"]}
-    return {"ratio_by_workload": ratios,
-            "better_on": [spec for spec, ratio in ratios.items() if ratio > 1 + TIE_TOLERANCE],
-            "worse_on": [spec for spec, ratio in ratios.items() if ratio < 1 - TIE_TOLERANCE]}
+    ratios, paired = {}, {}
+    for result in evaluation["workloads"]:
+        spec = result["workload"]
+        ratios[spec] = result["trained_over_reference"][CLONE_LABEL]
+        paired[spec] = result["trained_over_reference_paired"][CLONE_LABEL]
+
+    def beyond(pair: dict) -> float:   # how far the paired mean is from 1, less the noise allowance
+        return abs(pair["ratio_mean"] - 1) - max(TIE_TOLERANCE, SIGNIFICANT_SEM * pair["ratio_sem"])
+
+    return {"ratio_by_workload": ratios, "paired_by_workload": paired,
+            "better_on": [spec for spec, pair in paired.items() if pair["ratio_mean"] > 1 and beyond(pair) > 0],
+            "worse_on": [spec for spec, pair in paired.items() if pair["ratio_mean"] < 1 and beyond(pair) > 0]}
 
 
 def train_loop(algo, config: TrainConfig, run_log: RunLog, best: BestCheckpoint, *,
@@ -295,8 +305,12 @@ def train(config: TrainConfig, *, progress: Callable[[str], None] = print) -> di
     progress(format_table(evaluation))
     clone = beyond_clone(evaluation) if clone_path else None
     if clone:
-        progress("trained over its warm-start clone: " + ", ".join(
-            f"{spec.partition(':')[0]} {ratio:.4f}x" for spec, ratio in clone["ratio_by_workload"].items()))
+        progress("trained over its warm-start clone, per-run paired ratio (mean +- standard error; runs faster/slower): "
+                 + ", ".join(f"{spec.partition(':')[0]} {pair['ratio_mean']:.4f} +- {pair['ratio_sem']:.4f} "
+                             f"({pair['runs_faster']}/{pair['runs_slower']})"
+                             for spec, pair in clone["paired_by_workload"].items()))
+        progress(f"significantly better than the clone on: {', '.join(clone['better_on']) or 'none'}; "
+                 f"worse on: {', '.join(clone['worse_on']) or 'none'}")
     summary = {
         "config": config.to_json(),
         "trained_at": trained_at.isoformat(),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import gymnasium as gym
 import numpy as np
@@ -47,6 +48,28 @@ def instances_of(spec: str, instances: int) -> int:
     """Traces the env builds of ``spec``: ``instances`` seeds of a generator, one of a trace file
     (which ignores the seed)."""
     return instances if is_generated(spec) else 1
+
+
+@dataclasses.dataclass
+class WorkloadSet:
+    """An env configuration's traces, their block digests, and its windows (:meth:`BatchFormationEnv._window`:
+    the window trace and its baseline run, built on first use). Every env of one process built with
+    the same configuration shares one (:func:`workload_set`): RLlib builds a runner's sub-envs with
+    one config, and each would otherwise build and simulate the same traces again."""
+
+    traces: list
+    digests: list
+    windows: dict = dataclasses.field(default_factory=dict)
+
+
+@functools.lru_cache(maxsize=4)
+def workload_set(specs: tuple[str, ...], seed: int, instances: int, engine: EngineConfig, profile: str,
+                 reward_baseline: str) -> WorkloadSet:
+    """The shared :class:`WorkloadSet` of a configuration. ``profile`` and ``reward_baseline``
+    are part of the key because the windows' baseline runs depend on them (a profile file is
+    assumed not to change while the process runs)."""
+    built = [traces.resolve_workload(spec, seed=seed + i) for spec in specs for i in range(instances_of(spec, instances))]
+    return WorkloadSet(built, [trace_digests(trace, engine.block_size) for trace in built])
 
 
 class BatchFormationEnv(gym.Env):
@@ -153,16 +176,16 @@ class BatchFormationEnv(gym.Env):
             raise ValueError(f"max_decisions must be >= 0 (0: no limit), got {config['max_decisions']}")
         self.config = config
         self.num_candidates = k = check_num_candidates(config["num_candidates"])
-        self.cost_model = load_cost_model(config["profile"] or hardware_profile())
+        profile = config["profile"] or hardware_profile()
+        self.cost_model = load_cost_model(profile)
         self.engine = EngineConfig(token_budget=config["token_budget"], max_num_seqs=config["max_num_seqs"],
                                    max_wait_s=config["max_wait_s"],
                                    kv_capacity_tokens=config["kv_capacity_tokens"]).resolve(self.cost_model)
         if config["workload_instances"] < 1:
             raise ValueError(f"workload_instances must be >= 1, got {config['workload_instances']}")
-        self.workloads = [traces.resolve_workload(spec, seed=config["seed"] + i)
-                          for spec in workloads for i in range(instances_of(spec, config["workload_instances"]))]
-        self._digests = [trace_digests(trace, self.engine.block_size) for trace in self.workloads]
-        self._windows: dict[tuple[int, int], tuple] = {}
+        shared = workload_set(tuple(workloads), config["seed"], config["workload_instances"], self.engine,
+                              profile, config["reward_baseline"])
+        self.workloads, self._digests, self._windows = shared.traces, shared.digests, shared.windows
         self.observation_space = gym.spaces.Box(0.0, OBS_CLIP, (observation_size(k),), np.float32)
         self.action_space = gym.spaces.Discrete(k + 1)
         self._terminal_obs = np.zeros(observation_size(k), dtype=np.float32)
@@ -219,12 +242,13 @@ class BatchFormationEnv(gym.Env):
         return self._sim.next_admission()
 
     def _window(self, w: int, start: int, size: int):
-        """``(trace, digests, fcfs_rate, total_output_tokens)`` of a window, built once and cached.
+        """``(trace, digests, baseline_rate, total_output_tokens)`` of a window, built once and
+        cached in the shared :class:`WorkloadSet`.
 
-        The trace is ``size`` requests from ``start`` with arrivals shifted to 0; the FCFS
-        rate (output tokens/s) is one FCFS simulation of it.
+        The trace is ``size`` requests from ``start`` with arrivals shifted to 0; the baseline
+        rate (output tokens/s) is one simulation of it under ``reward_baseline``.
         """
-        key = (w, start)
+        key = (w, start, size)
         if key not in self._windows:
             trace = self.workloads[w]
             requests = trace.requests[start:start + size]
