@@ -5,7 +5,8 @@ import pytest
 
 import traces
 from feather_gym.policies import BASELINES, make_policy
-from trainer.evaluate import POLICY_LABEL, TIE_TOLERANCE, Benchmark, format_table, paired_ratio, validation_score
+from trainer.evaluate import (POLICY_LABEL, TIE_TOLERANCE, Benchmark, format_table, paired_ratio, paired_sign,
+                              slower_workloads, validation_score)
 from trainer.train import beyond_clone
 
 WORKLOADS = ("prefix-groups:num_requests=120,groups=3,rate=100", "no-sharing:num_requests=120")
@@ -53,20 +54,46 @@ def test_paired_ratio_compares_run_by_run():
     assert paired_ratio([5.0], [4.0]) == {"ratio_mean": 1.25, "ratio_sem": 0.0, "runs_faster": 1, "runs_slower": 0}
 
 
-def test_the_reference_is_compared_on_the_same_runs():
-    """The paired ratio is taken seed by seed: the per-run throughputs of the two policies (on a
-    workload where they differ: the CPU mix's prefix-heavy, which overflows 5,760 KV tokens)."""
+@pytest.fixture(scope="module")
+def heavy_bench():
+    """The CPU mix's prefix-heavy on three seeds: it overflows 5,760 KV tokens, so FCFS, which
+    evicts the shared prefixes, is slower than the Feather rule on every seed."""
     from feather_gym.simulator import EngineConfig
     from traces.workload import ENGINE_SIZED_WORKLOADS
 
-    heavy = ENGINE_SIZED_WORKLOADS["prefix-heavy"]
-    bench = Benchmark(workloads=(heavy,), profile="vllm-cpu", seeds=(10_001, 10_002, 10_003),
-                      engine=EngineConfig(kv_capacity_tokens=5760))
+    return Benchmark(workloads=(ENGINE_SIZED_WORKLOADS["prefix-heavy"],), profile="vllm-cpu",
+                     seeds=(10_001, 10_002, 10_003), engine=EngineConfig(kv_capacity_tokens=5760))
+
+
+def test_the_reference_is_compared_on_the_same_runs(heavy_bench):
+    """The paired ratio is taken seed by seed: the per-run throughputs of the two policies."""
+    (heavy,) = heavy_bench.baselines
     trained, clone = make_policy("fcfs"), make_policy("feather-rule")
-    result = bench.evaluate(trained, {"clone": clone})["workloads"][0]
-    expected = paired_ratio(bench.runs(heavy, trained)["throughput_tok_s"], bench.runs(heavy, clone)["throughput_tok_s"])
+    result = heavy_bench.evaluate(trained, {"clone": clone})["workloads"][0]
+    runs = heavy_bench.runs(heavy, trained)["throughput_tok_s"]
+    expected = paired_ratio(runs, heavy_bench.runs(heavy, clone)["throughput_tok_s"])
     assert result["trained_over_reference_paired"] == {"clone": expected}
-    assert expected["runs_slower"] == 3 and expected["ratio_mean"] < 1   # FCFS evicts the shared prefixes
+    assert result["trained_runs_tok_s"] == runs.tolist()
+    assert expected["runs_slower"] == 3 and expected["ratio_mean"] < 1
+
+
+def test_paired_sign_counts_only_differences_beyond_the_tolerance_and_two_standard_errors():
+    def pair(mean, sem):
+        return {"ratio_mean": mean, "ratio_sem": sem}
+
+    assert paired_sign(pair(1.01, 0.004)) == 1 and paired_sign(pair(0.99, 0.004)) == -1
+    assert paired_sign(pair(1.01, 0.006)) == 0                   # within two standard errors
+    assert paired_sign(pair(1 - TIE_TOLERANCE / 2, 0.0)) == 0    # within the tie tolerance
+
+
+def test_slower_workloads_pairs_two_evaluations_of_one_benchmark(heavy_bench):
+    """What keeps a validated checkpoint from trading one workload for another: FCFS is
+    significantly slower than the rule it would replace, the rule is not slower than FCFS, and
+    a policy is never slower than itself."""
+    fcfs, rule = (heavy_bench.evaluate(make_policy(name)) for name in ("fcfs", "feather-rule"))
+    (heavy,) = heavy_bench.baselines
+    assert slower_workloads(fcfs, rule) == [heavy]
+    assert slower_workloads(rule, fcfs) == [] and slower_workloads(rule, rule) == []
 
 
 def test_beyond_clone_counts_only_differences_beyond_noise():

@@ -45,6 +45,9 @@ def test_tiny_training_run_exports_a_valid_policy(tmp_path, capsys, monkeypatch)
     assert [v["iteration"] for v in summary["validation"]["history"]] == [0, 1, 2]
     assert "validation after iteration 2" in progress
     assert summary["validation"]["best_iteration"] in (0, 1, 2)
+    # The first validation is the start; the kept network is significantly slower on no workload.
+    slower = {v["iteration"]: v["slower_than_start"] for v in summary["validation"]["history"]}
+    assert slower[0] == [] and slower[summary["validation"]["best_iteration"]] == []
 
     model = onnx.load(out / "policy.onnx")
     onnx.checker.check_model(model, full_check=True)

@@ -113,7 +113,9 @@ class Benchmark:
 
         ``references`` (label -> policy, e.g. the warm-start clone) run beside it: shown in every
         table, in ``trained_over_reference`` (ratio of the mean throughputs) and in
-        ``trained_over_reference_paired`` (:func:`paired_ratio`), never a target."""
+        ``trained_over_reference_paired`` (:func:`paired_ratio`), never a target. Each result also
+        holds the policy's throughput on every run, in seed order (``trained_runs_tok_s``), so a
+        later evaluation on the same benchmark can be paired with this one."""
         results = []
         for spec in self._runs:
             per_run = {label: self.runs(spec, other) for label, other in {**(references or {}), POLICY_LABEL: policy}.items()}
@@ -125,6 +127,7 @@ class Benchmark:
             result["trained_over_reference_paired"] = {
                 label: paired_ratio(per_run[POLICY_LABEL]["throughput_tok_s"], per_run[label]["throughput_tok_s"])
                 for label in references or {}}
+            result["trained_runs_tok_s"] = per_run[POLICY_LABEL]["throughput_tok_s"].tolist()
             results.append(result)
         return {"profile": self.profile, "seeds": self.seeds, "workloads": results}
 
@@ -142,6 +145,22 @@ def paired_ratio(trained: np.ndarray, reference: np.ndarray) -> dict:
     sem = float(ratio.std(ddof=1) / np.sqrt(ratio.size)) if ratio.size > 1 else 0.0
     return {"ratio_mean": float(ratio.mean()), "ratio_sem": sem,
             "runs_faster": int((ratio > 1).sum()), "runs_slower": int((ratio < 1).sum())}
+
+
+def paired_sign(pair: dict) -> int:
+    """+1 or -1 when a :func:`paired_ratio` is above or below 1 by more than both the tie
+    tolerance and ``SIGNIFICANT_SEM`` standard errors (a difference), else 0 (noise)."""
+    distance = abs(pair["ratio_mean"] - 1) - max(TIE_TOLERANCE, SIGNIFICANT_SEM * pair["ratio_sem"])
+    return int(np.sign(pair["ratio_mean"] - 1)) if distance > 0 else 0
+
+
+def slower_workloads(evaluation: dict, reference: dict) -> list[str]:
+    """The workloads on which the policy of ``evaluation`` is significantly slower
+    (:func:`paired_sign`) than that of ``reference``, paired run by run: two
+    :meth:`Benchmark.evaluate` results of one benchmark."""
+    start = {result["workload"]: result["trained_runs_tok_s"] for result in reference["workloads"]}
+    return [result["workload"] for result in evaluation["workloads"]
+            if paired_sign(paired_ratio(np.array(result["trained_runs_tok_s"]), np.array(start[result["workload"]]))) < 0]
 
 
 def validation_score(evaluation: dict) -> tuple[float, float]:

@@ -133,12 +133,16 @@ class NetworkPolicy(Policy):
 
 class BestCheckpoint:
     """Keeps, in ``path``, the checkpoint whose greedy policy scored best on the validation seeds
-    (trace files: on their training part; the later part stays unseen until the final evaluation).
+    (trace files: on their training part; the later part stays unseen until the final evaluation)
+    among those no worse than the network PPO started from.
 
     Score: :func:`trainer.evaluate.validation_score` (the worst workload's throughput over its
     target, then the mean), so the kept policy is the one closest to meeting every target at
     once. Needed because PPO's stochastic policy can improve while its greedy policy, the one
-    deployed, gets worse.
+    deployed, gets worse. The first validation is the start (the warm-start clone, or the resumed
+    checkpoint) and is always kept; a later network is kept only if, paired run by run with the
+    start, it is significantly slower on no workload (:func:`trainer.evaluate.slower_workloads`).
+    Without that, the worst-margin score would let any workload fall to the level of the worst.
     """
 
     def __init__(self, algo, config: TrainConfig, path: Path) -> None:
@@ -149,25 +153,32 @@ class BestCheckpoint:
                                    seeds=config.validation_seeds, engine=config.engine())
         self.best_score = (-math.inf, -math.inf)
         self.best_iteration: int | None = None
+        self.start: dict | None = None   # the first validation's evaluation
         self.history: list[dict] = []
 
     def validate(self, iteration: int) -> str:
         """Score the current network; save the checkpoint when it is the best so far. Returns a log line."""
-        from trainer.evaluate import validation_score
+        from trainer.evaluate import slower_workloads, validation_score
 
         module = learner_module(self.algo)
         evaluation = self.benchmark.evaluate(NetworkPolicy(module, self.num_candidates))
+        self.start = self.start or evaluation
+        slower = slower_workloads(evaluation, self.start)
         score = validation_score(evaluation)
         worst, mean = min(result["margin"] for result in evaluation["workloads"]), score[1]
         margins = [round(result["margin"], 4) for result in evaluation["workloads"]]
-        self.history.append({"iteration": iteration, "worst_margin": worst, "mean_margin": mean, "margins": margins})
-        kept = score > self.best_score
+        self.history.append({"iteration": iteration, "worst_margin": worst, "mean_margin": mean, "margins": margins,
+                             "slower_than_start": slower})
+        kept = score > self.best_score and not slower
         if kept:
             self.best_score, self.best_iteration = score, iteration
             self.algo.save_to_path(str(self.path.resolve()))
+        verdict = (" (best so far, checkpoint saved)" if kept else
+                   f" (slower than the start on {', '.join(spec.partition(':')[0] for spec in slower)}; "
+                   f"best at iteration {self.best_iteration})" if slower else
+                   f" (best at iteration {self.best_iteration})")
         return (f"validation after iteration {iteration}: margin worst {worst:.4f} mean {mean:.4f} "
-                f"[{' '.join(f'{margin:.4f}' for margin in margins)}]"
-                + (" (best so far, checkpoint saved)" if kept else f" (best at iteration {self.best_iteration})"))
+                f"[{' '.join(f'{margin:.4f}' for margin in margins)}]" + verdict)
 
 
 def learner_module(algo):
@@ -193,22 +204,18 @@ def export_clone(algo, config: TrainConfig, path: Path) -> Path:
 def beyond_clone(evaluation: dict) -> dict:
     """Per workload, the trained policy's throughput over the warm-start clone's (ratio of the
     means, and the per-run paired ratio of :func:`trainer.evaluate.paired_ratio`), and the
-    workloads where the paired ratio is above or below 1 by more than both the tie tolerance and
-    ``SIGNIFICANT_SEM`` standard errors: what PPO learned, and what it lost, beyond noise."""
-    from trainer.evaluate import SIGNIFICANT_SEM, TIE_TOLERANCE
+    workloads where the paired ratio is significantly above or below 1
+    (:func:`trainer.evaluate.paired_sign`): what PPO learned, and what it lost, beyond noise."""
+    from trainer.evaluate import paired_sign
 
     ratios, paired = {}, {}
     for result in evaluation["workloads"]:
         spec = result["workload"]
         ratios[spec] = result["trained_over_reference"][CLONE_LABEL]
         paired[spec] = result["trained_over_reference_paired"][CLONE_LABEL]
-
-    def beyond(pair: dict) -> float:   # how far the paired mean is from 1, less the noise allowance
-        return abs(pair["ratio_mean"] - 1) - max(TIE_TOLERANCE, SIGNIFICANT_SEM * pair["ratio_sem"])
-
     return {"ratio_by_workload": ratios, "paired_by_workload": paired,
-            "better_on": [spec for spec, pair in paired.items() if pair["ratio_mean"] > 1 and beyond(pair) > 0],
-            "worse_on": [spec for spec, pair in paired.items() if pair["ratio_mean"] < 1 and beyond(pair) > 0]}
+            "better_on": [spec for spec, pair in paired.items() if paired_sign(pair) > 0],
+            "worse_on": [spec for spec, pair in paired.items() if paired_sign(pair) < 0]}
 
 
 def train_loop(algo, config: TrainConfig, run_log: RunLog, best: BestCheckpoint, *,
