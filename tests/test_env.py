@@ -78,6 +78,23 @@ def test_return_is_throughput_relative_to_the_reward_baseline(baseline):
         assert (total > 1e-9) == (info["throughput_tok_s"] > rate * (1 + 1e-9))
 
 
+def test_loss_aversion_multiplies_a_negative_return_only():
+    """With ``loss_aversion`` a, a terminated episode returns R when it beats the baseline and
+    a R when it loses (R: its return at par, the same window and actions)."""
+    at_par = BatchFormationEnv({**CONFIG, "wait_penalty": 0.0})
+    averse = BatchFormationEnv({**CONFIG, "wait_penalty": 0.0, "loss_aversion": 3.0})
+    returns = []
+    for seed, policy in ((0, lambda obs: 0), (1, lambda obs: 1), (2, lambda obs: int(obs[0] < 0.1))):
+        trajectory, par, _ = rollout(at_par, seed, policy)
+        averse_trajectory, total, _ = rollout(averse, seed, policy)
+        assert len(averse_trajectory) == len(trajectory)
+        assert total == pytest.approx(par if par >= 0 else 3 * par, rel=1e-9, abs=1e-12)
+        returns.append(par)
+    assert min(returns) < 0 < max(returns)          # both branches were exercised
+    with pytest.raises(ValueError, match="loss_aversion must be >= 1"):
+        BatchFormationEnv({**CONFIG, "loss_aversion": 0.5})
+
+
 def test_workload_instances_seed_several_traces_of_a_generator():
     env = BatchFormationEnv({**CONFIG, "workload_instances": 3})
     assert len(env.workloads) == 3 * len(CONFIG["workloads"])

@@ -89,6 +89,9 @@ class TrainConfig:
     # centres the clone's returns on 0 on every workload; measured against FCFS, it learned no more
     # (README, "Measured here"), so FCFS stays.
     reward_baseline: str = "fcfs"
+    # A terminated episode's negative return counts this many times (the env's ``loss_aversion``),
+    # so a gain on one workload no longer pays for a loss on another at par; 1: at par.
+    loss_aversion: float = 1.0
     # Candidate slots of the action (feather_gym.observation): 1 is ADD/STOP on the CHT's best
     # candidate; k > 1 chooses among the CHT's k best prefix groups, or STOP (Discrete(k + 1)).
     num_candidates: int = 4
@@ -184,6 +187,8 @@ class TrainConfig:
         if self.reward_baseline not in BASELINES:
             raise ValueError(f"reward_baseline: {self.reward_baseline!r} is not a baseline; choose one of "
                              f"{', '.join(BASELINES)}")
+        if not self.loss_aversion >= 1:
+            raise ValueError(f"loss_aversion: must be >= 1 (1: losses and gains at par), got {self.loss_aversion}")
         if not self.eval_seeds or not self.validation_seeds:
             raise ValueError("eval_seeds and validation_seeds: at least one seed each is needed")
         sets = list(self.seed_sets().items())

@@ -79,7 +79,7 @@ def env_config(config: TrainConfig) -> dict:
                 "window_requests": config.window_requests, "max_decisions": config.max_decisions,
                 "wait_penalty": config.wait_penalty, "kv_capacity_tokens": config.kv_capacity_tokens,
                 "num_candidates": config.num_candidates, "workload_instances": config.workload_instances,
-                "reward_baseline": config.reward_baseline}
+                "reward_baseline": config.reward_baseline, "loss_aversion": config.loss_aversion}
     return {key: value for key, value in settings.items() if value is not None}
 
 

@@ -41,6 +41,7 @@ DEFAULT_CONFIG = {
     "num_candidates": DEFAULT_NUM_CANDIDATES,   # k: 1 is ADD/STOP on the CHT's best candidate
     "workload_instances": 1,  # generated traces per workload spec, seeds seed .. seed + n - 1
     "reward_baseline": "fcfs",   # the policy whose throughput on the window a step must beat
+    "loss_aversion": 1.0,     # a terminated episode's negative return counts this many times
 }
 
 
@@ -133,6 +134,13 @@ class BatchFormationEnv(gym.Env):
     is already in simulated time, step by step (a step that takes longer costs more), so with
     the trainer's undiscounted returns a semi-MDP discount would change nothing.
 
+    ``loss_aversion`` ``a >= 1`` makes losses cost more than gains: the last step of a terminated
+    episode whose return ``R`` is negative also pays ``(a - 1) R``, so the return is ``R`` when
+    the policy beats the baseline on the window and ``a R`` when it loses. A sum of returns over
+    a mix then no longer lets a gain on one workload pay for a loss on another at par (with
+    ``reward_baseline: feather-rule``, a loss is a window where the policy is slower than the
+    rule). A truncated episode has no return yet and pays nothing extra.
+
     ## Starting State
     A window of ``window_requests`` consecutive requests of one of the traces (``workload_instances``
     seeded traces of each generator spec of ``workloads``, one of each trace file; chosen, with
@@ -157,7 +165,8 @@ class BatchFormationEnv(gym.Env):
     profile's), ``max_num_seqs``, ``max_wait_s`` (the admission's waiting-time bound, as deployed),
     ``kv_capacity_tokens`` (None: the profile's), ``num_candidates`` (``k``, >= 1),
     ``workload_instances`` (traces of each generator spec, seeds ``seed .. seed + n - 1``; a trace
-    file is one trace), ``reward_baseline`` (a baseline name of :data:`feather_gym.policies.BASELINES`).
+    file is one trace), ``reward_baseline`` (a baseline name of :data:`feather_gym.policies.BASELINES`),
+    ``loss_aversion`` (>= 1; 1: gains and losses at par).
     """
 
     metadata = {"render_modes": []}
@@ -174,6 +183,8 @@ class BatchFormationEnv(gym.Env):
             raise ValueError(f"window_requests must be >= 2, got {config['window_requests']}")
         if config["max_decisions"] < 0:
             raise ValueError(f"max_decisions must be >= 0 (0: no limit), got {config['max_decisions']}")
+        if not config["loss_aversion"] >= 1:
+            raise ValueError(f"loss_aversion must be >= 1 (1: losses and gains at par), got {config['loss_aversion']}")
         self.config = config
         self.num_candidates = k = check_num_candidates(config["num_candidates"])
         profile = config["profile"] or hardware_profile()
@@ -214,7 +225,9 @@ class BatchFormationEnv(gym.Env):
         sim.apply(int(action))
         self._point = sim.next_admission()
         reward = self._reward()
+        self._return += reward
         if self._point is None:
+            reward += (self.config["loss_aversion"] - 1) * min(self._return, 0.0)
             return self._terminal_obs, reward, True, False, self._final_info()
         limit = self.config["max_decisions"]
         truncated = 0 < limit <= sim.num_decisions
@@ -239,6 +252,7 @@ class BatchFormationEnv(gym.Env):
         self._sim = Simulator(window, self.cost_model, CHTOrder(), config=self.engine, digests=digests,
                               num_candidates=self.num_candidates)
         self._rewarded = (0, self._sim.now_s, 0)   # tokens, clock, admissions already rewarded
+        self._return = 0.0                         # the episode's rewards so far, loss aversion aside
         return self._sim.next_admission()
 
     def _window(self, w: int, start: int, size: int):
