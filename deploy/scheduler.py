@@ -117,14 +117,14 @@ def load_deployable_policy(spec: str, *, device: str = "cpu"):
     """The :class:`feather_gym.policies.Policy` named by ``spec``: ``"feather-rule"`` or an ONNX file.
 
     Raises ``ValueError`` for a policy that cannot run here (it orders candidates some other
-    way than the CHT, or its file's observation contract differs) and ``OSError`` for a
-    missing or unreadable file.
+    way than the CHT, reads the simulator's state, or its file's observation contract differs)
+    and ``OSError`` for a missing or unreadable file.
     """
     from feather_gym.orderings import CHTOrder
-    from feather_gym.policies import make_policy
+    from feather_gym.policies import SIMULATOR_ONLY, make_policy
 
     policy = make_policy(spec, device=device)
-    if type(policy.make_order()) is not CHTOrder:
+    if spec in SIMULATOR_ONLY or type(policy.make_order()) is not CHTOrder:
         raise ValueError(f"policy {spec!r} cannot run in the Feather scheduler, which proposes the CHT's "
                          "candidate: use 'feather-rule' or a *.onnx policy (vLLM's own scheduler is FCFS)")
     return policy

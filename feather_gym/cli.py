@@ -25,6 +25,7 @@ PROVIDERS = (
     "deploy.sim_validate",         # feather sim validate
     "feather_gym.hybrid.cli",      # feather hybrid build|check
     "cache_core.replay_cli",       # feather replay eval
+    "trainer.headroom",            # feather bench headroom
 )
 
 

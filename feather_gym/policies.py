@@ -24,6 +24,9 @@ cht-dfs         CHTOrder, k = 4   always admits, choosing among the CHT's 4 cand
 group-label     GroupOrder        ADD within the running groups (the generators' group
                                   labels), else STOP once the batch reaches ``min_batch``;
                                   not an upper bound, and FCFS on traces without labels
+rule-playout    CHTOrder, k = 4   plays every action out on a copy of the simulator, the rule
+                                  deciding after it, and takes the one finishing soonest (one
+                                  exact step of policy iteration on the rule); simulator-only
 PATH.onnx       CHTOrder, its k   a trained policy's greedy action on the observation
 ==============  ================  ============================================================
 
@@ -112,6 +115,14 @@ class FeatherRule(Policy):
         self.floor_start, self.max_floor, self.floor_growth_steps = floor_start, max_floor, floor_growth_steps
         self.reset()
 
+    @classmethod
+    def steady_state(cls) -> FeatherRule:
+        """The rule with its floor at ``max_floor`` from the start: stateless, a function of the
+        observation (what the warm start clones, and what :class:`RulePlayout` plays out)."""
+        rule = cls()
+        rule.floor_start = rule.max_floor
+        return rule
+
     def reset(self) -> None:
         self._refused_steps = 0
         self._last_refused_step = None
@@ -197,6 +208,38 @@ class OnnxFilePolicy(Policy):
         return self.runtime.act(point.observation)
 
 
+class RulePlayout(Policy):
+    """One exact step of policy iteration on the Feather rule, by simulation: at each decision
+    every distinct action (STOP and each filled candidate slot) is played out on a fork of the
+    simulator (:meth:`~feather_gym.simulator.Simulator.fork`), the steady-state rule
+    (:meth:`FeatherRule.steady_state`) deciding every later admission, and the action whose
+    playout finishes the run soonest is taken (the rule's own unless another finishes sooner by
+    more than a relative ``1e-9``). It reads the simulator's whole state: a reference for what the
+    rule leaves undone on a workload, never deployable and never a target; it costs about
+    ``decisions x (k + 1)`` playouts per run. Stateless."""
+
+    name = "rule-playout"
+
+    def __init__(self) -> None:
+        self.rule = FeatherRule.steady_state()
+
+    def decide(self, point) -> int:
+        own = self.rule.decide(point)
+        finish = {}
+        for action in (STOP, *(np.flatnonzero(point.mask) + 1).tolist()):
+            sim = point.sim.fork()
+            sim.apply(action)
+            while (later := sim.next_admission()) is not None:
+                sim.apply(self.rule.decide(later))
+            finish[action] = sim.now_s
+        best = min(finish, key=finish.get)
+        return best if finish[best] < finish.get(own, np.inf) * (1 - 1e-9) else own
+
+
+#: Policies that need the simulator's state (:class:`RulePlayout`): built by :func:`make_policy`
+#: on request, never run as baselines.
+SIMULATOR_ONLY = {"rule-playout": RulePlayout}
+
 BASELINES = {
     "fcfs": lambda: AlwaysAdd("fcfs", FCFSOrder),
     "lpm": lambda: AlwaysAdd("lpm", LPMOrder),
@@ -208,9 +251,11 @@ BASELINES = {
 
 
 def make_policy(name_or_path: str, *, device: str = "cpu") -> Policy:
-    """A baseline by name (:data:`BASELINES`) or a trained policy from a ``*.onnx`` path."""
+    """A baseline by name (:data:`BASELINES`), a simulator-only reference (:data:`SIMULATOR_ONLY`)
+    or a trained policy from a ``*.onnx`` path."""
     if name_or_path.endswith(".onnx"):
         return OnnxFilePolicy(name_or_path, device=device)
-    if name_or_path not in BASELINES:
-        raise ValueError(f"unknown policy {name_or_path!r}; choose one of {', '.join(BASELINES)} or a *.onnx file")
-    return BASELINES[name_or_path]()
+    named = {**BASELINES, **SIMULATOR_ONLY}
+    if name_or_path not in named:
+        raise ValueError(f"unknown policy {name_or_path!r}; choose one of {', '.join(named)} or a *.onnx file")
+    return named[name_or_path]()

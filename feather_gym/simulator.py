@@ -71,6 +71,7 @@ returns an :class:`AdmissionPoint` (``None`` once every request has finished);
 
 from __future__ import annotations
 
+import copy
 import heapq
 import math
 from dataclasses import dataclass, replace
@@ -306,6 +307,18 @@ class Simulator:
         self.prefill_tokens = 0
         self.cached_prompt_tokens = 0
         order.attach(self)
+
+    def read_only(self) -> tuple:
+        """What a run reads and never changes: the trace, the cost model, the engine settings, the
+        digests and the per-request lists derived from the trace. Copies of a simulator mid-run
+        (:meth:`fork`, ``BatchFormationEnv.fork``) share these and copy the rest."""
+        return (self.trace, self.cost_model, self.config, self.digests, self.digest_lists, self.group_of,
+                self._input_len, self._output_len, self._arrivals, self._fits_alone)
+
+    def fork(self) -> Simulator:
+        """An independent copy of this run as it stands (a pending decision included): running
+        the copy on never changes this one."""
+        return copy.deepcopy(self, {id(obj): obj for obj in self.read_only()})
 
     # ------------------------------------------------------------------ control
     def next_admission(self) -> AdmissionPoint | None:

@@ -95,6 +95,29 @@ def test_loss_aversion_multiplies_a_negative_return_only():
         BatchFormationEnv({**CONFIG, "loss_aversion": 0.5})
 
 
+def test_a_fork_plays_on_alone():
+    """A fork mid-episode continues exactly as its env would, and playing it out leaves the env as it was."""
+    env = BatchFormationEnv({**CONFIG, "num_candidates": 2})
+    obs, _ = env.reset(seed=4)
+    for _ in range(3):
+        obs, *_ = env.step(1)
+    fork = env.fork()
+    assert fork._sim is not env._sim and fork._sim.trace is env._sim.trace and fork._windows is env._windows
+    clock, observation = env._sim.now_s, env.admission_point.observation.copy()
+
+    def play_out(played, obs):
+        rewards = []
+        while True:
+            obs, reward, terminated, truncated, info = played.step(int(obs[0] < 0.2) + int(obs[-1] > 0))
+            rewards.append(reward)
+            if terminated or truncated:
+                return rewards, info
+
+    forked = play_out(fork, obs)
+    assert env._sim.now_s == clock and np.array_equal(env.admission_point.observation, observation)
+    assert play_out(env, obs) == forked and len(forked[0]) > 1
+
+
 def test_workload_instances_seed_several_traces_of_a_generator():
     env = BatchFormationEnv({**CONFIG, "workload_instances": 3})
     assert len(env.workloads) == 3 * len(CONFIG["workloads"])

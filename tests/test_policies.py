@@ -1,5 +1,6 @@
 """Each baseline's defining behaviour, on tiny hand-made traces."""
 
+import copy
 from types import SimpleNamespace
 
 import numpy as np
@@ -8,7 +9,7 @@ import pytest
 from feather_gym.costmodel import load_cost_model
 from feather_gym.observation import ADD, FEATURE_INDEX, STOP
 from feather_gym.orderings import LPMOrder
-from feather_gym.policies import AlwaysAdd, FeatherRule, GroupLabelPolicy, OnnxFilePolicy, make_policy
+from feather_gym.policies import AlwaysAdd, FeatherRule, GroupLabelPolicy, OnnxFilePolicy, RulePlayout, make_policy
 from feather_gym.simulator import EngineConfig, Simulator, simulate
 from traces import Request, Trace
 
@@ -163,7 +164,42 @@ def test_group_label_admits_unlabelled_requests_like_fcfs(h200):
     assert np.all(result.first_scheduled_s == 0.0)
 
 
+def test_a_simulator_fork_runs_on_alone(h200):
+    trace = Trace("t", [req(i, 0.01 * i, tokens(40 + i % 3, 600), 12, group=i % 3) for i in range(12)])
+    policy = make_policy("feather-rule")
+    sim = Simulator(trace, h200, policy.make_order(), config=ENGINE)
+    for _ in range(4):
+        sim.apply(policy.decide(sim.next_admission()))
+    fork, clock = sim.fork(), sim.now_s
+    assert fork.trace is sim.trace and fork.kv is not sim.kv
+    copy_policy = copy.deepcopy(policy)                             # the rule's floor state too
+    while (point := fork.next_admission()) is not None:
+        fork.apply(copy_policy.decide(point))
+    assert sim.now_s == clock                                       # untouched by the fork's run
+    while (point := sim.next_admission()) is not None:
+        sim.apply(policy.decide(point))
+    np.testing.assert_array_equal(sim.result().finish_s, fork.result().finish_s)
+
+
+def test_rule_playout_never_finishes_later_than_the_rule_it_plays_out():
+    """One step of policy iteration in a deterministic simulator: never worse than the steady-state
+    rule on any trace, and better where another action pays (the CPU mix's overloaded regime)."""
+    import traces
+
+    cost_model, engine = load_cost_model("vllm-cpu"), EngineConfig(kv_capacity_tokens=5760)
+    spec = "prefix-groups:num_requests=32,groups=8,prefix_tokens_min=256,prefix_tokens_max=1024,output_tokens_max=32"
+    makespans = []
+    for seed in range(3):
+        trace = traces.resolve_workload(spec, seed=seed)
+        rule, playout = (simulate(trace, cost_model, policy, config=engine).finish_s.max()
+                         for policy in (FeatherRule.steady_state(), RulePlayout()))
+        assert playout <= rule * (1 + 1e-9)
+        makespans.append((rule, playout))
+    assert any(playout < rule * (1 - 1e-3) for rule, playout in makespans)
+
+
 def test_make_policy_names_and_errors():
+    assert make_policy("rule-playout").name == "rule-playout"
     for name in ("fcfs", "lpm", "dfs", "feather-rule", "group-label"):
         assert make_policy(name).name == name
     with pytest.raises(OSError, match="missing.onnx"):     # a policy file is loaded (and checked) when built

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -39,6 +40,9 @@ def test_tiny_training_run_exports_a_valid_policy(tmp_path, capsys, monkeypatch)
     progress = capsys.readouterr().out
     assert "iter    1 | env steps" in progress and "iter    2 |" in progress and "left ~" in progress
     assert summary["iterations"] == 2 and summary["env_steps"] >= 2 * 256
+    # The sampling policy's entropy is logged per iteration (ADD/STOP: at most ln 2; the smoothed clone is not greedy).
+    assert "| entropy " in progress
+    assert all(0 < record["policy_entropy"] <= math.log(2) + 1e-6 for record in summary["history"])
     # Warm start from the Feather rule, then the greedy network validated before and after each iteration;
     # the checkpoint is the best-validated one.
     assert "warm start: cloned feather-rule" in progress and summary["warm_start"]["decisions"] > 0

@@ -6,7 +6,8 @@ import pytest
 
 from feather_gym.observation import NUM_FEATURES, OBS_CLIP
 from feather_gym.policies import FeatherRule
-from trainer.warm_start import clone_into, demonstrator, record_demonstrations
+from feather_gym.envs import BatchFormationEnv
+from trainer.warm_start import clone_into, demonstrator, improved_action, playout_return, record_demonstrations
 
 ENV_CONFIG = {"workloads": ["prefix-groups:groups=3,num_requests=200,rate=50", "no-sharing:num_requests=100"],
               "profile": "rtx6000-ada", "window_requests": 1000, "max_decisions": 4096, "wait_penalty": 0.0}
@@ -26,7 +27,7 @@ def ppo_module(hidden=(32,)):
 
 @pytest.fixture(scope="module")
 def demos():
-    return record_demonstrations("feather-rule", ENV_CONFIG, seeds=2)
+    return record_demonstrations("feather-rule", ENV_CONFIG, seeds=range(2))
 
 
 def test_demonstrations_are_whole_episodes_of_every_workload(demos):
@@ -34,7 +35,7 @@ def test_demonstrations_are_whole_episodes_of_every_workload(demos):
     assert set(np.unique(demos.actions)) == {0, 1}            # the rule both admits and stops here
     # Returns-to-go of the env's reward (in units of the window's output tokens): of order 1.
     assert np.all(np.isfinite(demos.returns)) and np.abs(demos.returns).max() < 2
-    assert record_demonstrations("feather-rule", ENV_CONFIG, seeds=2).actions.tolist() == demos.actions.tolist()
+    assert record_demonstrations("feather-rule", ENV_CONFIG, seeds=range(2)).actions.tolist() == demos.actions.tolist()
 
 
 def test_cloning_reproduces_the_rule(demos):
@@ -58,3 +59,50 @@ def test_the_rule_is_recorded_stateless(demos):
     for row, action in zip(map(bytes, demos.obs), demos.actions.tolist()):
         assert labels.setdefault(row, action) == action
     assert demonstrator("fcfs").name == "fcfs"
+
+
+#: Short windows and two candidate slots: playouts are cheap, and the rule admits slot 0 only.
+IMPROVE_CONFIG = {**ENV_CONFIG, "window_requests": 32, "num_candidates": 2, "seed": 3}
+MIN_GAIN = 1e-4   # between the small and the large gains of these windows
+
+
+def test_a_playout_is_the_return_the_env_then_gets():
+    env = BatchFormationEnv(IMPROVE_CONFIG)
+    env.reset(seed=0)
+    rule = demonstrator("feather-rule")
+    action = rule.decide(env.admission_point)
+    expected, total = playout_return(env, rule, action), 0.0
+    while True:
+        _, reward, terminated, truncated, _ = env.step(action)
+        total += reward
+        if terminated or truncated:
+            break
+        action = rule.decide(env.admission_point)
+    assert total == pytest.approx(expected, rel=1e-12, abs=1e-12)
+
+
+def test_improved_labels_are_the_best_playouts_beyond_the_minimum_gain():
+    env = BatchFormationEnv(IMPROVE_CONFIG)
+    rule = demonstrator("feather-rule")
+    gains = []
+    for seed in range(3):
+        env.reset(seed=seed)
+        while (point := env.admission_point) is not None:
+            action = rule.decide(point)
+            returns = {a: playout_return(env, rule, a) for a in [0, *(np.flatnonzero(point.mask) + 1).tolist()]}
+            best = max(returns, key=returns.get)
+            gains.append(returns[best] - returns[action])
+            for min_gain in (0.0, MIN_GAIN):
+                label = improved_action(env, rule, action, min_gain)
+                assert label == (best if returns[best] > returns[action] + min_gain else action)
+            _, _, terminated, truncated, _ = env.step(action)
+            if terminated or truncated:
+                break
+    # Every branch ran: gains above the threshold, below it, and none.
+    assert min(gains) == 0 and any(0 < gain <= MIN_GAIN for gain in gains) and any(gain > MIN_GAIN for gain in gains)
+    improved = record_demonstrations("feather-rule", {**IMPROVE_CONFIG, "workloads": IMPROVE_CONFIG["workloads"][:1]},
+                                     seeds=range(1), min_gain=0.0)
+    plain = record_demonstrations("feather-rule", {**IMPROVE_CONFIG, "workloads": IMPROVE_CONFIG["workloads"][:1]},
+                                  seeds=range(1))
+    np.testing.assert_array_equal(improved.obs, plain.obs)        # the rule's own states, relabelled
+    assert improved.relabelled == int((improved.actions != plain.actions).sum()) > 0 and plain.relabelled == 0

@@ -64,6 +64,10 @@ def build_train_parser() -> argparse.ArgumentParser:
                              f"chooses among its K best prefix groups or STOP (default {defaults.num_candidates})")
     parser.add_argument("--warm-start", metavar="BASELINE",
                         help=f"baseline cloned into the network before PPO, or none (default {defaults.warm_start})")
+    parser.add_argument("--improve-warm-start", type=float, metavar="MIN_GAIN",
+                        help="clone one step of policy iteration on the warm-start baseline instead of the baseline: "
+                             "a decision takes the action of the best simulated playout where it gains over MIN_GAIN "
+                             "(a share of the window's time, e.g. 0.03) on the baseline's (default: off)")
     parser.add_argument("--ray-address", help="train on an existing Ray cluster (e.g. auto, ray://host:10001); "
                                               "default: start a local Ray")
     parser.add_argument("--json", action="store_true", help="print the run summary as one JSON object on the last line")
@@ -84,7 +88,8 @@ def build_export_parser() -> argparse.ArgumentParser:
 
 
 #: Settings a resumed run does not take over from the run it continues: where and how long it runs.
-NOT_RESUMED = ("output_dir", "resume", "iterations", "time_budget_s", "ray_address", "warm_start")
+NOT_RESUMED = ("output_dir", "resume", "iterations", "time_budget_s", "ray_address", "warm_start",
+               "improve_warm_start")
 
 
 def resumed_run(resume: Path) -> tuple[Path, dict]:

@@ -101,6 +101,11 @@ class TrainConfig:
     # Warm start: the baseline distilled into the network before PPO (see trainer.warm_start);
     # "none" starts PPO from a random network. Ignored when resuming.
     warm_start: str = "feather-rule"
+    # Clone one step of policy iteration on the warm-start baseline instead of the baseline itself:
+    # a demonstrated decision is relabelled with the action whose simulated playout (that action,
+    # then the baseline) returns more than the baseline's action by over this gain (a share of the
+    # window's time; trainer.warm_start.improved_action). None: clone the baseline as it is.
+    improve_warm_start: float | None = None
     # Label smoothing of the cloning loss: the clone keeps this much probability off the
     # demonstrator's action, so PPO's sampled episodes still try the other actions.
     clone_smoothing: float = 0.1
@@ -176,6 +181,11 @@ class TrainConfig:
             from trainer.export import load_policy_network
 
             load_policy_network(self.resume)                     # a corrupted checkpoint fails here, before Ray
+        if self.improve_warm_start is not None:
+            if self.warm_start == "none":
+                raise ValueError("improve_warm_start: improves the warm-start baseline; warm_start is none")
+            if not self.improve_warm_start >= 0:
+                raise ValueError(f"improve_warm_start: the minimum gain must be >= 0, got {self.improve_warm_start}")
         if self.warm_start != "none":
             from feather_gym.policies import BASELINES
 
@@ -216,11 +226,11 @@ class TrainConfig:
 
     def seed_sets(self) -> dict[str, tuple[int, ...]]:
         """Every set of workload seeds the run uses, by name; :meth:`validate` refuses overlaps."""
-        from trainer.warm_start import DEMO_SEED_BASE, DEMO_SEEDS
+        from trainer.warm_start import demonstration_seeds
 
         sets = {f"training env seeds (seed + {SEED_STRIDE} x env runner)": self.training_env_seeds()}
         if self.warm_start != "none" and self.resume is None:
-            sets["warm-start demonstration seeds"] = tuple(range(DEMO_SEED_BASE, DEMO_SEED_BASE + DEMO_SEEDS))
+            sets["warm-start demonstration seeds"] = tuple(demonstration_seeds(self.improve_warm_start is not None))
         return sets | {"validation_seeds": tuple(self.validation_seeds), "eval_seeds": tuple(self.eval_seeds)}
 
     def training_workloads(self) -> tuple[str, ...]:

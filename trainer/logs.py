@@ -17,11 +17,14 @@ import numpy as np
 
 @dataclass(frozen=True)
 class IterationRecord:
-    """Headline numbers of one PPO iteration (``episode_return_mean`` is NaN when no episode ended)."""
+    """Headline numbers of one PPO iteration. ``episode_return_mean`` is NaN when no episode
+    ended; ``policy_entropy`` (nats, mean over the iteration's minibatches of the sampling
+    distribution's entropy; ln(k + 1) is uniform over the actions) is NaN when no update ran."""
 
     iteration: int
     env_steps: int
     episode_return_mean: float
+    policy_entropy: float
     time_total_s: float
 
 
@@ -42,12 +45,14 @@ class RunLog:
 
     def record(self, result: dict, *, time_total_s: float) -> IterationRecord:
         """Log one ``algo.train()`` result; returns its headline numbers."""
+        from ray.rllib.core import DEFAULT_MODULE_ID
         from ray.tune.utils import flatten_dict
 
         record = IterationRecord(
             iteration=int(result["training_iteration"]),
             env_steps=int(result.get("num_env_steps_sampled_lifetime", 0)),
             episode_return_mean=float(result.get("env_runners", {}).get("episode_return_mean", math.nan)),
+            policy_entropy=float(result.get("learners", {}).get(DEFAULT_MODULE_ID, {}).get("entropy", math.nan)),
             time_total_s=time_total_s,
         )
         self.history.append(record)
@@ -63,7 +68,7 @@ class RunLog:
                 for r in self.history]
 
     def plot_learning_curve(self, path: Path, *, title: str, validation: list[dict] = ()) -> None:
-        """A PNG (matplotlib Agg): mean episode return against env steps and, below it when given,
+        """A PNG (matplotlib Agg): mean episode return and policy entropy against env steps and, below it when given,
         the ``validation`` history (``{"iteration", "worst_margin", "mean_margin"}`` rows of the
         greedy network's throughput over its targets)."""
         import matplotlib
@@ -78,6 +83,9 @@ class RunLog:
         ax = axes[0, 0]
         ax.plot(steps, returns, marker="o", markersize=3)
         ax.set_ylabel("mean episode return\n(share of FCFS time saved)")
+        entropy_axis = ax.twinx()
+        entropy_axis.plot(steps, [r.policy_entropy for r in self.history], color="tab:red", linewidth=1)
+        entropy_axis.set_ylabel("policy entropy (nats)", color="tab:red")
         ax.set_title(title)
         if validation:
             steps_at = {0: 0, **{r.iteration: r.env_steps for r in self.history}}

@@ -244,8 +244,11 @@ def train_loop(algo, config: TrainConfig, run_log: RunLog, best: BestCheckpoint,
 
 
 def _progress_line(record: IterationRecord, left_s: float) -> str:
-    ret = "n/a" if math.isnan(record.episode_return_mean) else f"{record.episode_return_mean:10.2f}"
-    return (f"iter {record.iteration:4d} | env steps {record.env_steps:9,d} | return {ret} | "
+    def shown(value: float, width: int) -> str:
+        return f"{'n/a':>{width}}" if math.isnan(value) else f"{value:{width}.3f}"
+
+    return (f"iter {record.iteration:4d} | env steps {record.env_steps:9,d} | "
+            f"return {shown(record.episode_return_mean, 7)} | entropy {shown(record.policy_entropy, 5)} | "
             f"elapsed {record.time_total_s:6.0f} s | left ~{left_s:5.0f} s")
 
 
@@ -284,8 +287,11 @@ def train(config: TrainConfig, *, progress: Callable[[str], None] = print) -> di
                 restore(algo, config.resume)
                 progress(f"resumed from {config.resume}")
             elif config.warm_start != "none":
-                warm = warm_start(algo, config.warm_start, env_config(config), smoothing=config.clone_smoothing)
-                progress(f"warm start: cloned {warm['policy']} from {warm['decisions']:,} decisions "
+                warm = warm_start(algo, config.warm_start, env_config(config), smoothing=config.clone_smoothing,
+                                  min_gain=config.improve_warm_start)
+                improved = (f" improved by playouts ({warm['relabelled']:,} labels changed, {warm['record_s']:.0f} s)"
+                            if warm["min_gain"] is not None else "")
+                progress(f"warm start: cloned {warm['policy']}{improved} from {warm['decisions']:,} decisions "
                          f"(accuracy {warm['accuracy']:.3f}, ADD share {warm['add_fraction']:.3f})")
                 clone_path = export_clone(algo, config, out / CLONE_FILE)
             checkpoint = out / "checkpoint"

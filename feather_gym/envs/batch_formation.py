@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 
@@ -232,6 +233,15 @@ class BatchFormationEnv(gym.Env):
         limit = self.config["max_decisions"]
         truncated = 0 < limit <= sim.num_decisions
         return self._point.observation, reward, False, truncated, {}
+
+    def fork(self) -> "BatchFormationEnv":
+        """An independent copy of this env mid-episode: the same pending decision, simulator state
+        and reward bookkeeping, so stepping the copy (e.g. to try an action and play the episode
+        out) never changes this env. The traces, windows, cost model and settings are shared, not
+        copied (nothing changes them during an episode)."""
+        shared = (self.workloads, self._digests, self._windows, self.cost_model, self.engine, self.config, self.spec,
+                  *(self._sim.read_only() if self._sim is not None else ()))
+        return copy.deepcopy(self, {id(obj): obj for obj in shared})
 
     @property
     def admission_point(self):

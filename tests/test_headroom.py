@@ -1,0 +1,26 @@
+"""``feather bench headroom``: the rule against its exact one-step playout improvement, paired per seed."""
+
+import json
+
+import pytest
+
+from feather_gym.cli import main
+
+
+def test_headroom_pairs_the_playout_and_a_policy_with_the_rule(capsys):
+    assert main(["bench", "headroom", "--profile", "vllm-cpu", "--seeds", "2", "--policy", "feather-rule", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["profile"] == "vllm-cpu" and report["seeds"] == [10_001, 10_002] and report["elapsed_s"] > 0
+    assert len(report["workloads"]) == 7                                     # the CPU mix
+    for row in report["workloads"]:
+        assert row["runs"] == 2
+        # The rule paired with itself: exactly 1; the playout is a different policy.
+        assert row["policy_over_rule_paired"] == {"ratio_mean": 1.0, "ratio_sem": 0.0, "runs_faster": 0,
+                                                  "runs_slower": 0}
+        assert row["policy_over_fcfs"] == pytest.approx(row["feather_rule_over_fcfs"])
+    assert max(row["rule_playout_over_rule_paired"]["ratio_mean"] for row in report["workloads"]) > 1.005
+
+
+def test_headroom_refuses_more_seeds_than_held_out(capsys):
+    assert main(["bench", "headroom", "--profile", "vllm-cpu", "--seeds", "31"]) == 2
+    assert "--seeds: between 1 and 30" in capsys.readouterr().err

@@ -1,0 +1,82 @@
+"""``feather bench headroom``: what one exact step of policy iteration gains over the Feather rule.
+
+On the training mix's held-out evaluation seeds (``feather-train``'s defaults for ``--profile``:
+its built-in mix, KV capacity and ``eval_seeds``), the Feather rule and
+:class:`~feather_gym.policies.RulePlayout` run on the same traces, and each workload reports the
+per-seed paired throughput ratio playout / rule (:func:`trainer.evaluate.paired_ratio`: mean,
+standard error, seeds faster and slower) beside both over FCFS; ``--policy`` adds a trained ONNX
+policy, paired against the rule too. ``RulePlayout`` reads the simulator's whole state, so its
+column is headroom: what the rule leaves undone, and how much of it a policy that sees only the
+observation has taken. It is not a policy to deploy.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+
+def register(commands) -> None:
+    """Add ``bench headroom`` to the ``feather`` command tree."""
+    bench = commands.group("bench", help="benchmarks")
+    headroom = bench.add_parser("headroom", help="held-out gain of one exact policy-iteration step over the Feather "
+                                                 "rule (simulator-only), optionally beside a trained policy")
+    headroom.add_argument("--profile", default=None,
+                          help="cost-model profile (default: this machine's); the mix and KV capacity are "
+                               "feather-train's for it")
+    headroom.add_argument("--seeds", type=int, default=30, help="held-out seeds per workload (default 30)")
+    headroom.add_argument("--policy", metavar="POLICY",
+                          help="a trained policy (*.onnx) or a baseline name, paired against the rule as well")
+    headroom.add_argument("--json", action="store_true", help="one JSON object on the last line")
+    headroom.set_defaults(func=_headroom)
+
+
+def headroom(config, *, seeds: int, policy_path: str | None = None) -> dict:
+    """``{"profile", "seeds", "workloads": [...]}``: per workload of ``config`` (a resolved
+    :class:`~trainer.config.TrainConfig`) on its first ``seeds`` evaluation seeds, each policy's
+    mean throughput over FCFS's and its :func:`~trainer.evaluate.paired_ratio` over the rule's."""
+    from feather_gym.policies import FeatherRule, RulePlayout, make_policy
+    from trainer.evaluate import Benchmark, paired_ratio
+
+    if not 1 <= seeds <= len(config.eval_seeds):
+        raise ValueError(f"--seeds: between 1 and {len(config.eval_seeds)}, got {seeds}")
+    benchmark = Benchmark(workloads=config.evaluation_workloads(), profile=config.profile,
+                          seeds=config.eval_seeds[:seeds], engine=config.engine())
+    policies = {"rule-playout": RulePlayout()} | ({"policy": make_policy(policy_path)} if policy_path else {})
+    workloads = []
+    for spec in benchmark.baselines:
+        fcfs = benchmark.baselines[spec]["fcfs"]
+        rule = benchmark.runs(spec, FeatherRule())["throughput_tok_s"]
+        row = {"workload": spec, "runs": len(rule), "feather_rule_over_fcfs": float(rule.mean()) / fcfs}
+        for label, policy in policies.items():
+            runs = benchmark.runs(spec, policy)["throughput_tok_s"]
+            key = label.replace("-", "_")
+            row[f"{key}_over_fcfs"] = float(runs.mean()) / fcfs
+            row[f"{key}_over_rule_paired"] = paired_ratio(runs, rule)
+        workloads.append(row)
+    return {"profile": config.profile, "seeds": list(benchmark.seeds), "workloads": workloads}
+
+
+def _headroom(args) -> int:
+    from trainer.config import TrainConfig
+
+    config = TrainConfig(profile=args.profile).resolved()
+    start = time.perf_counter()
+    report = headroom(config, seeds=args.seeds, policy_path=args.policy)
+    report["elapsed_s"] = time.perf_counter() - start
+    labels = ["rule_playout"] + (["policy"] if args.policy else [])
+    print(f"headroom over the Feather rule, profile {config.profile}, {args.seeds} held-out seeds "
+          f"(x FCFS; paired ratio over the rule: mean +- standard error (seeds faster/slower))")
+    print(f"{'workload':<16}{'rule':>8}" + "".join(f"{label:>14}{'÷ rule':>28}" for label in labels))
+    for row in report["workloads"]:
+        cells = "".join(f"{row[f'{label}_over_fcfs']:>14.3f}{_paired(row[f'{label}_over_rule_paired']):>28}"
+                        for label in labels)
+        print(f"{row['workload'].partition(':')[0][:15]:<16}{row['feather_rule_over_fcfs']:>8.3f}{cells}")
+    print(f"{report['elapsed_s']:.0f} s")
+    if args.json:
+        print(json.dumps(report))
+    return 0
+
+
+def _paired(pair: dict) -> str:
+    return f"{pair['ratio_mean']:.4f} +- {pair['ratio_sem']:.4f} ({pair['runs_faster']}/{pair['runs_slower']})"
