@@ -27,6 +27,7 @@ group-label     GroupOrder        ADD within the running groups (the generators'
 rule-playout    CHTOrder, k = 4   plays every action out on a copy of the simulator, the rule
                                   deciding after it, and takes the one finishing soonest (one
                                   exact step of policy iteration on the rule); simulator-only
+                                  and clairvoyant (the playouts know the true output lengths)
 PATH.onnx       CHTOrder, its k   a trained policy's greedy action on the observation
 ==============  ================  ============================================================
 
@@ -214,9 +215,11 @@ class RulePlayout(Policy):
     simulator (:meth:`~feather_gym.simulator.Simulator.fork`), the steady-state rule
     (:meth:`FeatherRule.steady_state`) deciding every later admission, and the action whose
     playout finishes the run soonest is taken (the rule's own unless another finishes sooner by
-    more than a relative ``1e-9``). It reads the simulator's whole state: a reference for what the
-    rule leaves undone on a workload, never deployable and never a target; it costs about
-    ``decisions x (k + 1)`` playouts per run. Stateless."""
+    more than a relative ``1e-9``). It reads the simulator's whole state, the future included (every
+    request's true output length, every later arrival): clairvoyant, so a bound on what one step
+    of improving the rule is worth, not a measure of what a policy seeing only the observation can
+    learn; never deployable and never a target. It costs about ``decisions x (k + 1)`` playouts
+    per run. Stateless."""
 
     name = "rule-playout"
 

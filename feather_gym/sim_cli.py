@@ -78,6 +78,7 @@ def _compare(args) -> int:
     import traces
     from feather_gym.costmodel import hardware_profile, load_cost_model
     from feather_gym.costmodel.model import HYBRID_CPU_PROFILE
+    from feather_gym.simulator import EngineConfig
 
     names = [n.strip() for n in args.policies.split(",") if n.strip()]
     if not names:
@@ -90,7 +91,7 @@ def _compare(args) -> int:
     default_profile = hardware_profile() if args.model is None else HYBRID_CPU_PROFILE
     cost_model = load_cost_model(args.profile or default_profile)
     if args.model is None:
-        results = compare_policies(trace, cost_model, names)
+        results = compare_policies(trace, cost_model, names, EngineConfig(kv_capacity_tokens=args.kv_tokens))
     else:
         results = {f"{name}@{placement}": metrics for placement, config in hybrid_configs(args).items()
                    for name, metrics in compare_policies(trace, cost_model, names, config).items()}

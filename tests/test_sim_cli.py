@@ -53,3 +53,15 @@ def test_sim_compare_prints_and_reports_the_regime(capsys):
     for metrics in out["policies"].values():
         assert metrics["makespan_s"] >= out["arrival_span_s"]
         assert 0 <= metrics["queue_delay_mean_s"] <= metrics["queue_delay_p99_s"] <= metrics["longest_wait_s"]
+
+
+def test_sim_compare_runs_in_the_kv_capacity_given(capsys):
+    """--kv-tokens sizes the KV cache of every run (it was once read only with --model)."""
+    spec = "no-sharing:num_requests=32,input_tokens_max=512,output_tokens_max=48,rate=1000"
+
+    def makespan(*kv):
+        assert main(["sim", "compare", "--workload", spec, "--profile", "vllm-cpu", "--seed", "10001",
+                     "--policies", "feather-rule", *kv, "--json"]) == 0
+        return json.loads(capsys.readouterr().out.strip().splitlines()[-1])["policies"]["feather-rule"]["makespan_s"]
+
+    assert makespan("--kv-tokens", "2048") > 1.05 * makespan()

@@ -5,9 +5,10 @@ its built-in mix, KV capacity and ``eval_seeds``), the Feather rule and
 :class:`~feather_gym.policies.RulePlayout` run on the same traces, and each workload reports the
 per-seed paired throughput ratio playout / rule (:func:`trainer.evaluate.paired_ratio`: mean,
 standard error, seeds faster and slower) beside both over FCFS; ``--policy`` adds a trained ONNX
-policy, paired against the rule too. ``RulePlayout`` reads the simulator's whole state, so its
-column is headroom: what the rule leaves undone, and how much of it a policy that sees only the
-observation has taken. It is not a policy to deploy.
+policy, paired against the rule too. ``RulePlayout`` reads the simulator's whole state, the
+future included (true output lengths), so its column is a clairvoyant bound on what one step of
+improving the rule is worth; a trained policy's column shows how much of it a policy that sees
+only the observation has taken. It is not a policy to deploy.
 """
 
 from __future__ import annotations
