@@ -28,7 +28,8 @@ every distinct action (STOP and each filled candidate slot) is tried on a fork o
 to the episode's end (:func:`playout_return`), and the decision is labelled with the action of
 the highest return where that beats the heuristic's own action's by more than ``g``
 (:func:`improved_action`). The simulator is deterministic, so these are exact ``argmax_a Q(s, a)``
-of the heuristic. The threshold keeps the labels the network can learn from its observation:
+of the heuristic, and clairvoyant: the playouts run the trace's true output lengths, which the
+observation does not show. The threshold keeps the labels the network can learn from its observation:
 with every strict gain relabelled (about half the rule's decisions on the CPU mix) a clone fits
 57-69% of them and loses up to 2.4% to the rule. The README ("Measured here") has the sweep,
 and that the validation gains above a threshold did not carry to held-out seeds. The episodes
