@@ -266,6 +266,12 @@ class DecisionPoint:
                                                     self.mask[1:].astype(np.float32)))
         return self._observation
 
+    @property
+    def distinct_actions(self) -> range:
+        """STOP and one action per filled slot, ``0 .. len(candidates)``: every other action of
+        the space is STOP here (:func:`chosen_slot`)."""
+        return range(len(self.candidates) + 1)
+
     def slot(self, action: int) -> int | None:
         """The slot ``action`` admits here, or None for STOP (:func:`chosen_slot`)."""
         return chosen_slot(action, len(self.candidates), self.num_candidates)

@@ -229,7 +229,7 @@ class RulePlayout(Policy):
     def decide(self, point) -> int:
         own = self.rule.decide(point)
         finish = {}
-        for action in (STOP, *(np.flatnonzero(point.mask) + 1).tolist()):
+        for action in point.distinct_actions:
             sim = point.sim.fork()
             sim.apply(action)
             while (later := sim.next_admission()) is not None:

@@ -41,6 +41,9 @@ def test_k4_env_passes_the_checker_and_masks_empty_slots():
         assert not rows[filled:].any()                      # empty slots are all zeros
         np.testing.assert_array_equal(rows[0], point.observation[:NUM_FEATURES])
         assert len(set(point.candidates)) == filled and point.candidate == env._sim.cht.find_best()
+        # Each distinct action admits a different slot (or STOPs); every other action is STOP.
+        assert [point.slot(a) for a in point.distinct_actions] == [None, *range(filled)]
+        assert all(point.slot(a) is None for a in range(5) if a not in point.distinct_actions)
         seen_filled.add(filled)
         action = 4 if filled < 4 else ADD                   # the last slot: empty unless 4 groups wait
         seen_empty += filled < 4

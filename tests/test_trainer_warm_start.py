@@ -89,7 +89,7 @@ def test_improved_labels_are_the_best_playouts_beyond_the_minimum_gain():
         env.reset(seed=seed)
         while (point := env.admission_point) is not None:
             action = rule.decide(point)
-            returns = {a: playout_return(env, rule, a) for a in [0, *(np.flatnonzero(point.mask) + 1).tolist()]}
+            returns = {a: playout_return(env, rule, a) for a in point.distinct_actions}
             best = max(returns, key=returns.get)
             gains.append(returns[best] - returns[action])
             for min_gain in (0.0, MIN_GAIN):

@@ -106,8 +106,7 @@ def improved_action(env, policy, action: int, min_gain: float) -> int:
     """The action of the highest :func:`playout_return` at ``env``'s pending decision among STOP
     and the filled candidate slots where it beats ``action``'s (the policy's own) by more than
     ``min_gain``, else ``action``."""
-    slots = np.flatnonzero(env.admission_point.mask) + 1
-    returns = {a: playout_return(env, policy, a) for a in (0, *slots.tolist())}
+    returns = {a: playout_return(env, policy, a) for a in env.admission_point.distinct_actions}
     best = max(returns, key=returns.get)
     return best if returns[best] > returns.get(action, -np.inf) + min_gain else action
 
