@@ -28,6 +28,9 @@ rule-playout    CHTOrder, k = 4   plays every action out on a copy of the simula
                                   deciding after it, and takes the one finishing soonest (one
                                   exact step of policy iteration on the rule); simulator-only
                                   and clairvoyant (the playouts know the true output lengths)
+rule-playout-   CHTOrder, k = 4   the same on 4 futures whose output lengths are drawn from
+sampled                           the trace's distribution given what each request emitted:
+                                  no foresight of lengths; simulator-only
 PATH.onnx       CHTOrder, its k   a trained policy's greedy action on the observation
 ==============  ================  ============================================================
 
@@ -210,38 +213,70 @@ class OnnxFilePolicy(Policy):
 
 
 class RulePlayout(Policy):
-    """One exact step of policy iteration on the Feather rule, by simulation: at each decision
-    every distinct action (STOP and each filled candidate slot) is played out on a fork of the
+    """One step of policy iteration on the Feather rule, by simulation: at each decision every
+    distinct action (STOP and each filled candidate slot) is played out on a fork of the
     simulator (:meth:`~feather_gym.simulator.Simulator.fork`), the steady-state rule
     (:meth:`FeatherRule.steady_state`) deciding every later admission, and the action whose
     playout finishes the run soonest is taken (the rule's own unless another finishes sooner by
-    more than a relative ``1e-9``). It reads the simulator's whole state, the future included (every
-    request's true output length, every later arrival): clairvoyant, so a bound on what one step
-    of improving the rule is worth, not a measure of what a policy seeing only the observation can
-    learn; never deployable and never a target. It costs about ``decisions x (k + 1)`` playouts
-    per run. Stateless."""
+    more than a relative ``1e-9``).
 
-    name = "rule-playout"
+    With ``samples=None`` (``rule-playout``) the playouts run the trace's true output lengths:
+    exact, and clairvoyant, so a bound on what one step of improving the rule is worth. With
+    ``samples=S`` (``rule-playout-sampled``) each action is played out on ``S`` futures whose
+    unfinished requests' output lengths are drawn by :func:`sampled_output_lengths` (the same
+    ``S`` futures for every action, drawn from a generator seeded by the decision's step and
+    index), and the action with the soonest mean finish is taken: no foresight of output
+    lengths, so what an observation of the queue could reach. Both read the simulator's whole
+    state (and every later arrival, none in the all-at-once regime): never deployable, never a
+    target. They cost about ``decisions x (k + 1) x max(S, 1)`` playouts per run. Stateless."""
 
-    def __init__(self) -> None:
+    def __init__(self, samples: int | None = None) -> None:
+        if samples is not None and samples < 1:
+            raise ValueError(f"samples: at least 1 (or None for the true output lengths), got {samples}")
         self.rule = FeatherRule.steady_state()
+        self.samples = samples
+        self.name = "rule-playout" if samples is None else "rule-playout-sampled"
 
     def decide(self, point) -> int:
-        own = self.rule.decide(point)
-        finish = {}
-        for action in point.distinct_actions:
-            sim = point.sim.fork()
-            sim.apply(action)
-            while (later := sim.next_admission()) is not None:
-                sim.apply(self.rule.decide(later))
-            finish[action] = sim.now_s
+        own, sim = self.rule.decide(point), point.sim
+        if self.samples is None:
+            futures = [None]
+        else:
+            rng = np.random.default_rng([sim.step, sim.num_decisions])
+            futures = [sampled_output_lengths(sim, rng) for _ in range(self.samples)]
+        finish = {action: np.mean([self._playout(sim.fork(future), action) for future in futures])
+                  for action in point.distinct_actions}
         best = min(finish, key=finish.get)
         return best if finish[best] < finish.get(own, np.inf) * (1 - 1e-9) else own
 
+    def _playout(self, sim, action: int) -> float:
+        """When ``sim`` finishes if ``action`` is taken now and the rule decides after it."""
+        sim.apply(action)
+        while (later := sim.next_admission()) is not None:
+            sim.apply(self.rule.decide(later))
+        return sim.now_s
+
+
+def sampled_output_lengths(sim, rng: np.random.Generator) -> np.ndarray:
+    """One draw of every request's output length given only what a scheduler can know: each
+    request's length is drawn uniformly from the trace's output lengths (the workload's
+    distribution, not which request has which) that exceed the tokens it has emitted
+    (:meth:`~feather_gym.simulator.Simulator.emitted_tokens`); emitted ``+ 1`` when none does.
+    Finished requests' draws are ignored by :meth:`~feather_gym.simulator.Simulator.fork`."""
+    pool = np.sort([request.output_len for request in sim.trace.requests])
+    emitted = sim.emitted_tokens()
+    first = np.searchsorted(pool, emitted, side="right")
+    draw = first + np.floor(rng.random(len(emitted)) * (len(pool) - first)).astype(np.int64)
+    return np.where(first < len(pool), pool[np.minimum(draw, len(pool) - 1)], emitted + 1)
+
+
+#: Output-length futures per action of ``rule-playout-sampled``.
+DEFAULT_PLAYOUT_SAMPLES = 4
 
 #: Policies that need the simulator's state (:class:`RulePlayout`): built by :func:`make_policy`
 #: on request, never run as baselines.
-SIMULATOR_ONLY = {"rule-playout": RulePlayout}
+SIMULATOR_ONLY = {"rule-playout": RulePlayout,
+                  "rule-playout-sampled": lambda: RulePlayout(samples=DEFAULT_PLAYOUT_SAMPLES)}
 
 BASELINES = {
     "fcfs": lambda: AlwaysAdd("fcfs", FCFSOrder),

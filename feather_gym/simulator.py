@@ -315,10 +315,46 @@ class Simulator:
         return (self.trace, self.cost_model, self.config, self.digests, self.digest_lists, self.group_of,
                 self._input_len, self._output_len, self._arrivals, self._fits_alone)
 
-    def fork(self) -> Simulator:
+    def fork(self, output_len: np.ndarray | None = None) -> Simulator:
         """An independent copy of this run as it stands (a pending decision included): running
-        the copy on never changes this one."""
-        return copy.deepcopy(self, {id(obj): obj for obj in self.read_only()})
+        the copy on never changes this one. With ``output_len`` (one per request) the copy's
+        unfinished requests have those output lengths instead of the trace's, a future without
+        foresight; each must exceed what its request has emitted (:meth:`emitted_tokens`)."""
+        sim = copy.deepcopy(self, {id(obj): obj for obj in self.read_only()})
+        if output_len is not None:
+            sim._set_output_len(output_len)
+        return sim
+
+    def emitted_tokens(self) -> np.ndarray:
+        """Output tokens each request has emitted in the steps executed so far (all of them once
+        finished; those kept across a preemption while it waits to resume)."""
+        emitted = np.array(self._emitted, dtype=np.int64)
+        executed = self.step - 1 if self._in_step else self.step
+        for idx in self.running:
+            if idx not in self._prefilling:
+                emitted[idx] = self._emitted_at(idx, executed + 1)
+        return emitted
+
+    def _set_output_len(self, output_len: np.ndarray) -> None:
+        """Give the unfinished requests ``output_len`` and re-derive what depends on it: whether
+        each fits alone, and the decoding requests' finish and block-growth events."""
+        lengths = np.asarray(output_len, dtype=np.int64)
+        if lengths.shape != (len(self._output_len),):
+            raise ValueError(f"output_len: one per request ({len(self._output_len)}), got shape {lengths.shape}")
+        done = np.isin(self._state, (_FINISHED, _REJECTED))
+        emitted = self.emitted_tokens()
+        if np.any(~done & (lengths <= emitted)):
+            raise ValueError("output_len: an unfinished request's length must exceed the tokens it has emitted")
+        self._output_len = np.where(done, self._output_len, lengths).tolist()
+        capacity = self.kv.capacity_blocks * self.block_size
+        self._fits_alone = [i + o <= capacity for i, o in zip(self._input_len, self._output_len)]
+        decoding = [idx for idx in self.running if idx not in self._prefilling]
+        self._finish_heap = [(s0 + self._output_len[idx] - o0 - 1, idx, self._epoch[idx])
+                             for idx in decoding for s0, o0 in [self._decode_from[idx]]]
+        heapq.heapify(self._finish_heap)
+        self._grow_heap = []
+        for idx in decoding:
+            self._push_grow(idx, *self._decode_from[idx])
 
     # ------------------------------------------------------------------ control
     def next_admission(self) -> AdmissionPoint | None:

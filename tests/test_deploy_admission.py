@@ -210,7 +210,7 @@ def test_the_feather_rule_is_deployable_and_fcfs_orderings_are_refused():
     hooks = {"num_running": lambda: 0, "kv_usage": lambda: 0.0, "max_num_seqs": 256}
     admission = build_admission(FeatherConfig(policy="feather-rule"), **hooks)
     assert isinstance(admission, PolicyAdmission) and isinstance(admission.policy, FeatherRule)
-    for name in ("fcfs", "dfs", "group-label", "rule-playout"):
+    for name in ("fcfs", "dfs", "group-label", "rule-playout", "rule-playout-sampled"):
         with pytest.raises(PolicyStartupError, match="cannot run in the Feather scheduler"):
             build_admission(FeatherConfig(policy=name), **hooks)
 

@@ -9,7 +9,8 @@ import pytest
 from feather_gym.costmodel import load_cost_model
 from feather_gym.observation import ADD, FEATURE_INDEX, STOP
 from feather_gym.orderings import LPMOrder
-from feather_gym.policies import AlwaysAdd, FeatherRule, GroupLabelPolicy, OnnxFilePolicy, RulePlayout, make_policy
+from feather_gym.policies import (DEFAULT_PLAYOUT_SAMPLES, AlwaysAdd, FeatherRule, GroupLabelPolicy, RulePlayout,
+                                  make_policy, sampled_output_lengths)
 from feather_gym.simulator import EngineConfig, Simulator, simulate
 from traces import Request, Trace
 
@@ -198,8 +199,38 @@ def test_rule_playout_never_finishes_later_than_the_rule_it_plays_out():
     assert any(playout < rule * (1 - 1e-3) for rule, playout in makespans)
 
 
+def test_sampled_playouts_know_the_lengths_when_the_workload_has_only_one():
+    """Every request of the trace has the same output length: each draw is the true future, so the
+    sampled playouts decide exactly as the clairvoyant ones (which beat the rule here)."""
+    import dataclasses
+
+    import traces
+
+    cost_model, engine = load_cost_model("vllm-cpu"), EngineConfig(kv_capacity_tokens=5760)
+    spec = "prefix-groups:num_requests=32,groups=8,prefix_tokens_min=256,prefix_tokens_max=1024,output_tokens_max=32"
+    trace = traces.resolve_workload(spec, seed=1)
+    trace = Trace(trace.name, [dataclasses.replace(r, output_len=24) for r in trace.requests])
+    rule, exact, sampled = (simulate(trace, cost_model, policy, config=engine).finish_s
+                            for policy in (FeatherRule.steady_state(), RulePlayout(), RulePlayout(samples=2)))
+    np.testing.assert_array_equal(sampled, exact)
+    assert exact.max() < rule.max()
+
+
+def test_sampled_output_lengths_exceed_what_each_request_emitted():
+    trace = Trace("t", [req(i, 0.0, tokens(i, 300), output_len=n) for i, n in enumerate((1, 5, 9, 40))])
+    sim = SimpleNamespace(trace=trace, emitted_tokens=lambda: np.array([0, 6, 39, 50]))
+    draws = np.array([sampled_output_lengths(sim, np.random.default_rng(seed)) for seed in range(200)])
+    assert set(draws[:, 0]) == {1, 5, 9, 40}                  # nothing emitted: any of the trace's lengths
+    assert set(draws[:, 1]) == {9, 40} and set(draws[:, 2]) == {40}   # only those beyond what it emitted
+    assert set(draws[:, 3]) == {51}                           # beyond every length: one more token
+    np.testing.assert_array_equal(sampled_output_lengths(sim, np.random.default_rng(7)), draws[7])
+
+
 def test_make_policy_names_and_errors():
     assert make_policy("rule-playout").name == "rule-playout"
+    assert make_policy("rule-playout-sampled").samples == DEFAULT_PLAYOUT_SAMPLES
+    with pytest.raises(ValueError, match="samples: at least 1"):
+        RulePlayout(samples=0)
     for name in ("fcfs", "lpm", "dfs", "feather-rule", "group-label"):
         assert make_policy(name).name == name
     with pytest.raises(OSError, match="missing.onnx"):     # a policy file is loaded (and checked) when built

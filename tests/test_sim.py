@@ -1,5 +1,6 @@
 """The serving simulator and its prefix-cached KV pool: invariants, determinism, CLI."""
 
+import copy
 import json
 
 import numpy as np
@@ -104,6 +105,7 @@ def run_checked(trace, cost_model, policy_name, config):
         obs = point.observation
         assert obs.shape == (len(FEATURE_NAMES),) and obs.dtype == np.float32
         assert np.all((obs >= 0) & (obs <= OBS_CLIP))
+        assert sim.emitted_tokens().sum() == sim.tokens_out       # every token emitted counted once
         sim.apply(policy.decide(point))
     return sim, sim.result(), finishes
 
@@ -124,6 +126,35 @@ def test_invariants_under_kv_pressure(h200, policy_name):
     prompt = sum(r.input_len for r in trace)
     assert result.prefill_tokens + result.cached_prompt_tokens >= prompt   # recomputation only adds
     assert sim.kv.used_blocks == 0                            # everything released
+
+
+def test_a_fork_runs_on_with_the_output_lengths_it_is_given(h200):
+    trace = small_trace()
+    policy = make_policy("feather-rule")
+    sim = Simulator(trace, h200, policy.make_order(),
+                    config=engine(kv_capacity_tokens=12 * BS * 8, token_budget=2048, max_num_seqs=64))
+    for _ in range(40):
+        sim.apply(policy.decide(sim.next_admission()))
+
+    def run_on(fork: Simulator) -> Simulator:
+        rule = copy.deepcopy(policy)
+        while (point := fork.next_admission()) is not None:
+            fork.apply(rule.decide(point))
+        return fork
+
+    true = np.array([r.output_len for r in trace])
+    np.testing.assert_array_equal(run_on(sim.fork(true)).result().finish_s, run_on(sim.fork()).result().finish_s)
+    done, emitted = sim.result().finished, sim.emitted_tokens()
+    assert done.any() and (~done & (emitted > 0)).any() and (emitted == 0).any()   # finished, part-way, unstarted
+    shortest = run_on(sim.fork(emitted + 1))         # every unfinished request emits exactly one more token
+    result = shortest.result()
+    assert result.finished.all()
+    np.testing.assert_array_equal(result.output_len, np.where(done, true, emitted + 1))
+    assert shortest.tokens_out == sim.tokens_out + (~done).sum()
+    with pytest.raises(ValueError, match="exceed the tokens it has emitted"):
+        sim.fork(np.maximum(emitted, 1))
+    with pytest.raises(ValueError, match="one per request"):
+        sim.fork(true[:-1])
 
 
 def test_prompt_tokens_are_hits_or_prefilled_without_preemption(h200):

@@ -1,14 +1,18 @@
-"""``feather bench headroom``: what one exact step of policy iteration gains over the Feather rule.
+"""``feather bench headroom``: what one step of policy iteration gains over the Feather rule.
 
 On the training mix's held-out evaluation seeds (``feather-train``'s defaults for ``--profile``:
-its built-in mix, KV capacity and ``eval_seeds``), the Feather rule and
-:class:`~feather_gym.policies.RulePlayout` run on the same traces, and each workload reports the
-per-seed paired throughput ratio playout / rule (:func:`trainer.evaluate.paired_ratio`: mean,
-standard error, seeds faster and slower) beside both over FCFS; ``--policy`` adds a trained ONNX
-policy, paired against the rule too. ``RulePlayout`` reads the simulator's whole state, the
-future included (true output lengths), so its column is a clairvoyant bound on what one step of
-improving the rule is worth; a trained policy's column shows how much of it a policy that sees
-only the observation has taken. It is not a policy to deploy.
+its built-in mix, KV capacity and ``eval_seeds``), the Feather rule and the simulator-only
+references (:data:`~feather_gym.policies.SIMULATOR_ONLY`: ``rule-playout`` and
+``rule-playout-sampled``, both :class:`~feather_gym.policies.RulePlayout`) run on the same
+traces, and each workload reports the per-seed paired throughput ratio reference / rule
+(:func:`trainer.evaluate.paired_ratio`: mean, standard error, seeds faster and slower) beside
+each over FCFS; ``--policy`` adds a trained ONNX policy, paired against the rule too.
+``rule-playout`` plays out the true output lengths: a clairvoyant bound on one step of improving
+the rule. ``rule-playout-sampled`` plays out output lengths drawn from the trace's distribution
+given what each request has emitted: the part of that bound reachable without foresight of
+output lengths (both still read the whole queue and the cost model). A trained policy's column
+shows how much of it a policy that sees only its observation has taken. Neither reference is a
+policy to deploy.
 """
 
 from __future__ import annotations
@@ -20,8 +24,9 @@ import time
 def register(commands) -> None:
     """Add ``bench headroom`` to the ``feather`` command tree."""
     bench = commands.group("bench", help="benchmarks")
-    headroom = bench.add_parser("headroom", help="held-out gain of one exact policy-iteration step over the Feather "
-                                                 "rule (simulator-only), optionally beside a trained policy")
+    headroom = bench.add_parser("headroom", help="held-out gain of one policy-iteration step over the Feather rule, "
+                                                 "with and without foresight of output lengths (simulator-only), "
+                                                 "optionally beside a trained policy")
     headroom.add_argument("--profile", default=None,
                           help="cost-model profile (default: this machine's); the mix and KV capacity are "
                                "feather-train's for it")
@@ -36,14 +41,15 @@ def headroom(config, *, seeds: int, policy_path: str | None = None) -> dict:
     """``{"profile", "seeds", "workloads": [...]}``: per workload of ``config`` (a resolved
     :class:`~trainer.config.TrainConfig`) on its first ``seeds`` evaluation seeds, each policy's
     mean throughput over FCFS's and its :func:`~trainer.evaluate.paired_ratio` over the rule's."""
-    from feather_gym.policies import FeatherRule, RulePlayout, make_policy
+    from feather_gym.policies import SIMULATOR_ONLY, FeatherRule, make_policy
     from trainer.evaluate import Benchmark, paired_ratio
 
     if not 1 <= seeds <= len(config.eval_seeds):
         raise ValueError(f"--seeds: between 1 and {len(config.eval_seeds)}, got {seeds}")
     benchmark = Benchmark(workloads=config.evaluation_workloads(), profile=config.profile,
                           seeds=config.eval_seeds[:seeds], engine=config.engine())
-    policies = {"rule-playout": RulePlayout()} | ({"policy": make_policy(policy_path)} if policy_path else {})
+    policies = ({name: make_policy(name) for name in SIMULATOR_ONLY}
+                | ({"policy": make_policy(policy_path)} if policy_path else {}))
     workloads = []
     for spec in benchmark.baselines:
         fcfs = benchmark.baselines[spec]["fcfs"]
@@ -59,19 +65,20 @@ def headroom(config, *, seeds: int, policy_path: str | None = None) -> dict:
 
 
 def _headroom(args) -> int:
+    from feather_gym.policies import SIMULATOR_ONLY
     from trainer.config import TrainConfig
 
     config = TrainConfig(profile=args.profile).resolved()
     start = time.perf_counter()
     report = headroom(config, seeds=args.seeds, policy_path=args.policy)
     report["elapsed_s"] = time.perf_counter() - start
-    labels = ["rule_playout"] + (["policy"] if args.policy else [])
+    labels = [name.replace("-", "_") for name in SIMULATOR_ONLY] + (["policy"] if args.policy else [])
     print(f"headroom over the Feather rule, profile {config.profile}, {args.seeds} held-out seeds "
           f"(x FCFS; paired ratio over the rule: mean +- standard error (seeds faster/slower))")
-    print(f"{'workload':<16}{'rule':>8}" + "".join(f"{label:>14}{'÷ rule':>28}" for label in labels))
+    print(f"{'workload':<16}{'rule':>8}" + "".join(f"{label:>{len(label) + 2}}{'÷ rule':>28}" for label in labels))
     for row in report["workloads"]:
-        cells = "".join(f"{row[f'{label}_over_fcfs']:>14.3f}{_paired(row[f'{label}_over_rule_paired']):>28}"
-                        for label in labels)
+        cells = "".join(f"{row[f'{label}_over_fcfs']:>{len(label) + 2}.3f}"
+                        f"{_paired(row[f'{label}_over_rule_paired']):>28}" for label in labels)
         print(f"{row['workload'].partition(':')[0][:15]:<16}{row['feather_rule_over_fcfs']:>8.3f}{cells}")
     print(f"{report['elapsed_s']:.0f} s")
     if args.json:
