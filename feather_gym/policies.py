@@ -224,9 +224,9 @@ class RulePlayout(Policy):
     exact, and clairvoyant, so a bound on what one step of improving the rule is worth. With
     ``samples=S`` (``rule-playout-sampled``) each action is played out on ``S`` futures whose
     unfinished requests' output lengths are drawn by :func:`sampled_output_lengths` (the same
-    ``S`` futures for every action, drawn from a generator seeded by the decision's step and
-    index), and the action with the soonest mean finish is taken: no foresight of output
-    lengths, so what an observation of the queue could reach. Both read the simulator's whole
+    futures for every action, :func:`playout_futures`), and the action with the soonest mean
+    finish is taken: no foresight of output lengths, so what an observation of the queue could
+    reach. Both read the simulator's whole
     state (and every later arrival, none in the all-at-once regime): never deployable, never a
     target. They cost about ``decisions x (k + 1) x max(S, 1)`` playouts per run. Stateless."""
 
@@ -239,11 +239,7 @@ class RulePlayout(Policy):
 
     def decide(self, point) -> int:
         own, sim = self.rule.decide(point), point.sim
-        if self.samples is None:
-            futures = [None]
-        else:
-            rng = np.random.default_rng([sim.step, sim.num_decisions])
-            futures = [sampled_output_lengths(sim, rng) for _ in range(self.samples)]
+        futures = playout_futures(sim, self.samples)
         finish = {action: np.mean([self._playout(sim.fork(future), action) for future in futures])
                   for action in point.distinct_actions}
         best = min(finish, key=finish.get)
@@ -270,7 +266,18 @@ def sampled_output_lengths(sim, rng: np.random.Generator) -> np.ndarray:
     return np.where(first < len(pool), pool[np.minimum(draw, len(pool) - 1)], emitted + 1)
 
 
-#: Output-length futures per action of ``rule-playout-sampled``.
+def playout_futures(sim, samples: int | None) -> list[np.ndarray | None]:
+    """The output lengths to play ``sim``'s pending decision out on: ``[None]`` (the trace's true
+    ones) for ``samples=None``, else ``samples`` draws of :func:`sampled_output_lengths` from a
+    generator seeded by the decision (its step and index), so every action played out there,
+    and every run of the same decision, gets the same futures."""
+    if samples is None:
+        return [None]
+    rng = np.random.default_rng([sim.step, sim.num_decisions])
+    return [sampled_output_lengths(sim, rng) for _ in range(samples)]
+
+
+#: Output-length futures per action of ``rule-playout-sampled`` and of the improved warm start.
 DEFAULT_PLAYOUT_SAMPLES = 4
 
 #: Policies that need the simulator's state (:class:`RulePlayout`): built by :func:`make_policy`

@@ -322,7 +322,7 @@ class Simulator:
         foresight; each must exceed what its request has emitted (:meth:`emitted_tokens`)."""
         sim = copy.deepcopy(self, {id(obj): obj for obj in self.read_only()})
         if output_len is not None:
-            sim._set_output_len(output_len)
+            sim.suppose_output_len(output_len)
         return sim
 
     def emitted_tokens(self) -> np.ndarray:
@@ -335,9 +335,11 @@ class Simulator:
                 emitted[idx] = self._emitted_at(idx, executed + 1)
         return emitted
 
-    def _set_output_len(self, output_len: np.ndarray) -> None:
-        """Give the unfinished requests ``output_len`` and re-derive what depends on it: whether
-        each fits alone, and the decoding requests' finish and block-growth events."""
+    def suppose_output_len(self, output_len: np.ndarray) -> None:
+        """From now on the unfinished requests have ``output_len`` (one per request; each must
+        exceed what its request has emitted): a what-if, for a fork (:meth:`fork`). What depends
+        on it is re-derived: whether each fits alone, the decoding requests' finish and
+        block-growth events."""
         lengths = np.asarray(output_len, dtype=np.int64)
         if lengths.shape != (len(self._output_len),):
             raise ValueError(f"output_len: one per request ({len(self._output_len)}), got shape {lengths.shape}")

@@ -10,7 +10,7 @@ from feather_gym.costmodel import load_cost_model
 from feather_gym.observation import ADD, FEATURE_INDEX, STOP
 from feather_gym.orderings import LPMOrder
 from feather_gym.policies import (DEFAULT_PLAYOUT_SAMPLES, AlwaysAdd, FeatherRule, GroupLabelPolicy, RulePlayout,
-                                  make_policy, sampled_output_lengths)
+                                  make_policy, playout_futures, sampled_output_lengths)
 from feather_gym.simulator import EngineConfig, Simulator, simulate
 from traces import Request, Trace
 
@@ -224,6 +224,10 @@ def test_sampled_output_lengths_exceed_what_each_request_emitted():
     assert set(draws[:, 1]) == {9, 40} and set(draws[:, 2]) == {40}   # only those beyond what it emitted
     assert set(draws[:, 3]) == {51}                           # beyond every length: one more token
     np.testing.assert_array_equal(sampled_output_lengths(sim, np.random.default_rng(7)), draws[7])
+    decision = SimpleNamespace(**vars(sim), step=5, num_decisions=2)
+    assert playout_futures(decision, None) == [None]                     # the true lengths
+    futures, again = playout_futures(decision, 3), playout_futures(decision, 3)
+    assert len(futures) == 3 and all(np.array_equal(a, b) for a, b in zip(futures, again))   # seeded by the decision
 
 
 def test_make_policy_names_and_errors():

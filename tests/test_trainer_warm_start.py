@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from feather_gym.observation import NUM_FEATURES, OBS_CLIP
-from feather_gym.policies import FeatherRule
+from feather_gym.policies import FeatherRule, playout_futures
 from feather_gym.envs import BatchFormationEnv
 from trainer.warm_start import clone_into, demonstrator, improved_action, playout_return, record_demonstrations
 
@@ -72,6 +72,8 @@ def test_a_playout_is_the_return_the_env_then_gets():
     rule = demonstrator("feather-rule")
     action = rule.decide(env.admission_point)
     expected, total = playout_return(env, rule, action), 0.0
+    true_lengths = [request.output_len for request in env.admission_point.sim.trace.requests]
+    assert playout_return(env, rule, action, true_lengths) == expected    # a fork told the true lengths
     while True:
         _, reward, terminated, truncated, _ = env.step(action)
         total += reward
@@ -85,19 +87,21 @@ def test_improved_labels_are_the_best_playouts_beyond_the_minimum_gain():
     env = BatchFormationEnv(IMPROVE_CONFIG)
     rule = demonstrator("feather-rule")
     gains = []
-    for seed in range(3):
-        env.reset(seed=seed)
-        while (point := env.admission_point) is not None:
-            action = rule.decide(point)
-            returns = {a: playout_return(env, rule, a) for a in point.distinct_actions}
+    env.reset(seed=1)
+    while (point := env.admission_point) is not None:
+        action = rule.decide(point)
+        # At the first decision the true lengths too; then two sampled futures (the default is 4).
+        for samples in [None] * (not gains) + [2]:
+            runs = playout_futures(point.sim, samples)
+            returns = {a: np.mean([playout_return(env, rule, a, run) for run in runs]) for a in point.distinct_actions}
             best = max(returns, key=returns.get)
-            gains.append(returns[best] - returns[action])
             for min_gain in (0.0, MIN_GAIN):
-                label = improved_action(env, rule, action, min_gain)
+                label = improved_action(env, rule, action, min_gain, samples=samples)
                 assert label == (best if returns[best] > returns[action] + min_gain else action)
-            _, _, terminated, truncated, _ = env.step(action)
-            if terminated or truncated:
-                break
+        gains.append(returns[best] - returns[action])
+        _, _, terminated, truncated, _ = env.step(action)
+        if terminated or truncated:
+            break
     # Every branch ran: gains above the threshold, below it, and none.
     assert min(gains) == 0 and any(0 < gain <= MIN_GAIN for gain in gains) and any(gain > MIN_GAIN for gain in gains)
     improved = record_demonstrations("feather-rule", {**IMPROVE_CONFIG, "workloads": IMPROVE_CONFIG["workloads"][:1]},

@@ -66,8 +66,9 @@ def build_train_parser() -> argparse.ArgumentParser:
                         help=f"baseline cloned into the network before PPO, or none (default {defaults.warm_start})")
     parser.add_argument("--improve-warm-start", type=float, metavar="MIN_GAIN",
                         help="clone one step of policy iteration on the warm-start baseline instead of the baseline: "
-                             "a decision takes the action of the best simulated playout where it gains over MIN_GAIN "
-                             "(a share of the window's time, e.g. 0.03) on the baseline's (default: off)")
+                             "a decision takes the action of the best simulated playout (mean over sampled "
+                             "output-length futures) where it gains over MIN_GAIN (a share of the window's time, "
+                             "e.g. 0.01) on the baseline's (default: off)")
     parser.add_argument("--ray-address", help="train on an existing Ray cluster (e.g. auto, ray://host:10001); "
                                               "default: start a local Ray")
     parser.add_argument("--json", action="store_true", help="print the run summary as one JSON object on the last line")

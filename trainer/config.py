@@ -102,9 +102,10 @@ class TrainConfig:
     # "none" starts PPO from a random network. Ignored when resuming.
     warm_start: str = "feather-rule"
     # Clone one step of policy iteration on the warm-start baseline instead of the baseline itself:
-    # a demonstrated decision is relabelled with the action whose simulated playout (that action,
-    # then the baseline) returns more than the baseline's action by over this gain (a share of the
-    # window's time; trainer.warm_start.improved_action). None: clone the baseline as it is.
+    # a demonstrated decision is relabelled with the action whose simulated playouts (that action,
+    # then the baseline, on sampled output-length futures) return more on average than the
+    # baseline's action by over this gain (a share of the window's time;
+    # trainer.warm_start.improved_action). None: clone the baseline as it is.
     improve_warm_start: float | None = None
     # Label smoothing of the cloning loss: the clone keeps this much probability off the
     # demonstrator's action, so PPO's sampled episodes still try the other actions.

@@ -23,18 +23,18 @@ head by mean squared error to those returns, so PPO's first advantages are alrea
 
 With a minimum gain ``g`` (``TrainConfig.improve_warm_start``) the labels are one step of policy
 iteration on the heuristic, computed in the simulator: at each of the heuristic's decisions
-every distinct action (STOP and each filled candidate slot) is tried on a fork of the env
+every distinct action (STOP and each filled candidate slot) is tried on forks of the env
 (:meth:`~feather_gym.envs.batch_formation.BatchFormationEnv.fork`) and followed by the heuristic
 to the episode's end (:func:`playout_return`), and the decision is labelled with the action of
-the highest return where that beats the heuristic's own action's by more than ``g``
-(:func:`improved_action`). The simulator is deterministic, so these are exact ``argmax_a Q(s, a)``
-of the heuristic, and clairvoyant: the playouts run the trace's true output lengths, which the
-observation does not show. The threshold keeps the labels the network can learn from its observation:
-with every strict gain relabelled (about half the rule's decisions on the CPU mix) a clone fits
-57-69% of them and loses up to 2.4% to the rule. The README ("Measured here") has the sweep,
-and that the validation gains above a threshold did not carry to held-out seeds. The episodes
-follow the heuristic, so the states are the heuristic's; the improved labels need more
-demonstrations and epochs (:data:`IMPROVED`) than the heuristic's own.
+the highest mean return where that beats the heuristic's own action's by more than ``g``
+(:func:`improved_action`). The mean is over :data:`~feather_gym.policies.DEFAULT_PLAYOUT_SAMPLES`
+futures whose output lengths are drawn from the trace's distribution given what each request has
+emitted, not the true ones: labels played out on the true lengths are clairvoyant (the
+observation cannot tell them) and their clones did not carry to held-out seeds, while clones of
+the sampled ones do on no-sharing (README, "Measured here"). The threshold keeps the labels the
+network can learn from its observation. The episodes follow the heuristic, so the states are the
+heuristic's; the improved labels need more demonstrations and epochs (:data:`IMPROVED`) than the
+heuristic's own.
 
 The cross-entropy is label-smoothed (``TrainConfig.clone_smoothing``, 0.1 by default): a clone
 fitted to one-hot labels puts all probability on the demonstrator's action, the rule admits only
@@ -50,9 +50,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from feather_gym.policies import DEFAULT_PLAYOUT_SAMPLES, playout_futures
+
 #: Demonstrations: workload seeds recorded per workload of the mix (from ``DEMO_SEED_BASE``,
 #: disjoint from every other seed set) and cloning epochs. The rule's labels fit exactly at
-#: (4, 30); playout-improved ones underfit there (57% of them fitted), hence :data:`IMPROVED`.
+#: (4, 30); playout-improved ones underfit there, hence :data:`IMPROVED`.
 DEMO_SEED_BASE = 50_000
 PLAIN = (4, 30)
 IMPROVED = (16, 300)
@@ -88,10 +90,11 @@ def demonstrator(policy_name: str):
     return FeatherRule.steady_state() if policy_name == FeatherRule.name else make_policy(policy_name)
 
 
-def playout_return(env, policy, action: int) -> float:
+def playout_return(env, policy, action: int, output_len: np.ndarray | None = None) -> float:
     """The return from ``env``'s pending decision on when ``action`` is taken there and ``policy``
-    decides every later one, played out on a fork (``env`` and ``policy`` are left as they were)."""
-    env, policy = env.fork(), copy.deepcopy(policy)
+    decides every later one, played out on a fork (``env`` and ``policy`` are left as they were;
+    ``output_len``: the fork's, see :meth:`~feather_gym.envs.batch_formation.BatchFormationEnv.fork`)."""
+    env, policy = env.fork(output_len), copy.deepcopy(policy)
     total, done = 0.0, False
     while not done:
         _, reward, terminated, truncated, _ = env.step(action)
@@ -102,11 +105,17 @@ def playout_return(env, policy, action: int) -> float:
     return total
 
 
-def improved_action(env, policy, action: int, min_gain: float) -> int:
-    """The action of the highest :func:`playout_return` at ``env``'s pending decision among STOP
-    and the filled candidate slots where it beats ``action``'s (the policy's own) by more than
-    ``min_gain``, else ``action``."""
-    returns = {a: playout_return(env, policy, a) for a in env.admission_point.distinct_actions}
+def improved_action(env, policy, action: int, min_gain: float, *,
+                    samples: int | None = DEFAULT_PLAYOUT_SAMPLES) -> int:
+    """The action of the highest mean :func:`playout_return` at ``env``'s pending decision among
+    STOP and the filled candidate slots where it beats ``action``'s (the policy's own) by more
+    than ``min_gain``, else ``action``. The mean is over ``samples`` output-length futures
+    (:func:`~feather_gym.policies.playout_futures`, the same for every action); ``samples=None``
+    plays the true output lengths out once (clairvoyant)."""
+    point = env.admission_point
+    futures = playout_futures(point.sim, samples)
+    returns = {a: np.mean([playout_return(env, policy, a, future) for future in futures])
+               for a in point.distinct_actions}
     best = max(returns, key=returns.get)
     return best if returns[best] > returns.get(action, -np.inf) + min_gain else action
 

@@ -234,14 +234,18 @@ class BatchFormationEnv(gym.Env):
         truncated = 0 < limit <= sim.num_decisions
         return self._point.observation, reward, False, truncated, {}
 
-    def fork(self) -> "BatchFormationEnv":
+    def fork(self, output_len: np.ndarray | None = None) -> "BatchFormationEnv":
         """An independent copy of this env mid-episode: the same pending decision, simulator state
         and reward bookkeeping, so stepping the copy (e.g. to try an action and play the episode
         out) never changes this env. The traces, windows, cost model and settings are shared, not
-        copied (nothing changes them during an episode)."""
+        copied (nothing changes them during an episode). With ``output_len`` the copy's unfinished
+        requests have those output lengths (:meth:`~feather_gym.simulator.Simulator.suppose_output_len`)."""
         shared = (self.workloads, self._digests, self._windows, self.cost_model, self.engine, self.config, self.spec,
                   *(self._sim.read_only() if self._sim is not None else ()))
-        return copy.deepcopy(self, {id(obj): obj for obj in shared})
+        env = copy.deepcopy(self, {id(obj): obj for obj in shared})
+        if output_len is not None:
+            env._sim.suppose_output_len(output_len)
+        return env
 
     @property
     def admission_point(self):
