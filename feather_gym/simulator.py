@@ -262,7 +262,6 @@ class Simulator:
         self._input_len = [r.input_len for r in requests]
         self._output_len = [r.output_len for r in requests]
         self._arrivals = [r.arrival_s for r in requests]
-        self._fits_alone = [r.input_len + r.output_len <= self.kv.capacity_blocks * bs for r in requests]
 
         nan = np.full(n, np.nan)
         self.first_scheduled_s, self.first_token_s, self.finish_s = nan.copy(), nan.copy(), nan.copy()
@@ -313,7 +312,7 @@ class Simulator:
         digests and the per-request lists derived from the trace. Copies of a simulator mid-run
         (:meth:`fork`, ``BatchFormationEnv.fork``) share these and copy the rest."""
         return (self.trace, self.cost_model, self.config, self.digests, self.digest_lists, self.group_of,
-                self._input_len, self._output_len, self._arrivals, self._fits_alone)
+                self._input_len, self._output_len, self._arrivals)
 
     def fork(self, output_len: np.ndarray | None = None) -> Simulator:
         """An independent copy of this run as it stands (a pending decision included): running
@@ -337,9 +336,8 @@ class Simulator:
 
     def suppose_output_len(self, output_len: np.ndarray) -> None:
         """From now on the unfinished requests have ``output_len`` (one per request; each must
-        exceed what its request has emitted): a what-if, for a fork (:meth:`fork`). What depends
-        on it is re-derived: whether each fits alone, the decoding requests' finish and
-        block-growth events."""
+        exceed what its request has emitted): a what-if, for a fork (:meth:`fork`). The decoding
+        requests' finish and block-growth events are re-derived."""
         lengths = np.asarray(output_len, dtype=np.int64)
         if lengths.shape != (len(self._output_len),):
             raise ValueError(f"output_len: one per request ({len(self._output_len)}), got shape {lengths.shape}")
@@ -348,11 +346,8 @@ class Simulator:
         if np.any(~done & (lengths <= emitted)):
             raise ValueError("output_len: an unfinished request's length must exceed the tokens it has emitted")
         self._output_len = np.where(done, self._output_len, lengths).tolist()
-        capacity = self.kv.capacity_blocks * self.block_size
-        self._fits_alone = [i + o <= capacity for i, o in zip(self._input_len, self._output_len)]
         decoding = [idx for idx in self.running if idx not in self._prefilling]
-        self._finish_heap = [(s0 + self._output_len[idx] - o0 - 1, idx, self._epoch[idx])
-                             for idx in decoding for s0, o0 in [self._decode_from[idx]]]
+        self._finish_heap = [(self._last_decode_step(idx), idx, self._epoch[idx]) for idx in decoding]
         heapq.heapify(self._finish_heap)
         self._grow_heap = []
         for idx in decoding:
@@ -456,7 +451,7 @@ class Simulator:
         while self._next_arrival < n and arrivals[self._next_arrival] <= self.now_s:
             idx = self._next_arrival
             self._next_arrival += 1
-            if self._fits_alone[idx]:
+            if self._input_len[idx] + self._output_len[idx] <= self.kv.capacity_blocks * self.block_size:
                 self._enqueue(idx, preempted=False)
             else:
                 self._state[idx] = _REJECTED
@@ -668,12 +663,17 @@ class Simulator:
         s0, o0 = self._decode_from[idx]
         return o0 + (step - s0)
 
+    def _last_decode_step(self, idx: int) -> int:
+        """The step in which decoding ``idx`` emits its last token."""
+        s0, o0 = self._decode_from[idx]
+        return s0 + self._output_len[idx] - o0 - 1
+
     def _join_decode(self, idx: int) -> None:
         """``idx`` decodes from the next step on; register its events and aggregates."""
         s0, o0 = self.step + 1, self._emitted[idx]
         self._decode_from[idx] = (s0, o0)
         e = self._epoch[idx]
-        heapq.heappush(self._finish_heap, (s0 + self._output_len[idx] - o0 - 1, idx, e))
+        heapq.heappush(self._finish_heap, (self._last_decode_step(idx), idx, e))
         self._push_grow(idx, s0, o0)
         digests = self.digest_lists[idx]
         self._decode_count += 1
@@ -723,7 +723,7 @@ class Simulator:
         """
         held = self.kv.blocks_held(idx)
         step = s0 + held * self.block_size + 1 - self._input_len[idx] - o0
-        if step <= s0 + self._output_len[idx] - o0 - 1:
+        if step <= self._last_decode_step(idx):
             heapq.heappush(self._grow_heap, (max(step, s0), idx, self._epoch[idx]))
 
     def _grow_blocks(self) -> None:
