@@ -260,10 +260,11 @@ def run_round(llm, trace, scheduler_cls, *, label: str, round_index: int, online
             break
     wall_s = clock() - start
     complete = sum(len(outputs.get(r.request_id, ())) == r.output_len for r in trace)
-    logger.info("round %d %s: %.2f s, %d steps, %d/%d complete", round_index, label, wall_s, meter.steps,
-                complete, len(trace))
+    output_tokens = sum(map(len, outputs.values()))
+    logger.info("round %d %s: %.2f s, %d steps, %.2f output tok/s, %d/%d complete", round_index, label, wall_s,
+                meter.steps, output_tokens / wall_s, complete, len(trace))
     stats = scheduler.feather_stats() if hasattr(scheduler, "feather_stats") else {}
-    return RoundResult(label, wall_s, sum(map(len, outputs.values())), cached, np.array(ttft), len(outputs),
+    return RoundResult(label, wall_s, output_tokens, cached, np.array(ttft), len(outputs),
                        len(trace) - complete, meter, outputs, stats)
 
 

@@ -7,12 +7,17 @@ vllm, onnxruntime) inside their handlers, so ``feather --help`` stays fast.
 A handler is ``func(args) -> int`` set with ``parser.set_defaults(func=...)``. User errors
 (bad files, bad arguments) are raised as ``ValueError`` or ``OSError``; they print as
 ``feather: error: ...`` with exit status 2, without a traceback.
+
+Progress (e.g. a live bench's line per round as it ends) is logged at INFO by the project's
+packages (:data:`LOGGED_PACKAGES`) and printed on stderr, so stdout keeps only the report and
+a run cut short still shows what it finished.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import sys
 
 PROVIDERS = (
@@ -27,6 +32,34 @@ PROVIDERS = (
     "cache_core.replay_cli",       # feather replay eval
     "trainer.headroom",            # feather bench headroom
 )
+
+#: Packages whose INFO records ``feather`` prints on stderr.
+LOGGED_PACKAGES = ("cache_core", "deploy", "feather_gym", "trainer", "traces")
+
+
+class _StderrHandler(logging.StreamHandler):
+    """A stream handler on whatever ``sys.stderr`` is when a record is emitted."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:
+        pass
+
+
+_STDERR_HANDLER = _StderrHandler()
+_STDERR_HANDLER.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s", "%H:%M:%S"))
+
+
+def log_progress() -> None:
+    """Print the INFO records of :data:`LOGGED_PACKAGES` on stderr (idempotent)."""
+    for name in LOGGED_PACKAGES:
+        logger = logging.getLogger(name)
+        logger.setLevel(logging.INFO)
+        if _STDERR_HANDLER not in logger.handlers:
+            logger.addHandler(_STDERR_HANDLER)
 
 
 class CommandTree:
@@ -54,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    log_progress()
     try:
         return int(args.func(args) or 0)
     except (ValueError, OSError) as exc:

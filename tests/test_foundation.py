@@ -1,9 +1,11 @@
 """The foundation: the request/trace model, token synthesis and the `feather` umbrella."""
 
+import logging
+
 import numpy as np
 import pytest
 
-from feather_gym.cli import build_parser, main
+from feather_gym.cli import LOGGED_PACKAGES, build_parser, log_progress, main
 from traces.request import Request, Trace, synthesise_tokens, SYNTH_TOKEN_LOW, SYNTH_TOKEN_RANGE
 
 
@@ -60,3 +62,16 @@ def test_user_errors_exit_2_without_traceback(capsys, tmp_path):
     missing = tmp_path / "nope.jsonl"
     assert main(["trace", "stats", str(missing)]) == 2
     assert "feather: error:" in capsys.readouterr().err
+
+
+def test_progress_logs_on_stderr_once_and_keeps_stdout_for_the_report(capsys):
+    log_progress()
+    log_progress()                       # idempotent: one line per record, not two
+    logging.getLogger("deploy.serve_bench").info("round %d %s: done", 0, "fcfs")
+    logging.getLogger("trainer.train").debug("too fine to print")
+    logging.getLogger("vllm.engine").info("another project's record")
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.count("round 0 fcfs: done") == 1
+    assert "too fine" not in captured.err and "another project" not in captured.err
+    assert {"deploy", "feather_gym", "trainer"} <= set(LOGGED_PACKAGES)

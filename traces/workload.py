@@ -68,8 +68,9 @@ ENGINE_SIZED_SHAPES = {
     "multi-turn": "multi-turn-chat:num_requests=48,user_tokens_mean=48,assistant_tokens_mean=64,rate=1000,think_time_s=0.001",
 }
 #: The CPU training mix: :data:`ENGINE_SIZED_WORKLOADS` with every request arriving within ~0.1 s
-#: (``rate=1000``), as the live bench submits them, then :data:`ENGINE_SIZED_SHAPES`; every
-#: generator's shape on the CPU engine.
+#: (``rate=1000``), then :data:`ENGINE_SIZED_SHAPES`; every generator's shape on the CPU engine.
+#: The first step thus starts with the first request alone and the rest arrive during it: the
+#: live bench's ``--online`` with these specs, not its default (every request before the first step).
 CPU_ENGINE_WORKLOADS = (*(f"{spec},rate=1000" for spec in ENGINE_SIZED_WORKLOADS.values()),
                         *ENGINE_SIZED_SHAPES.values())
 SPLIT_PARTS = ("train", "eval")
