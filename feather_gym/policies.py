@@ -226,8 +226,9 @@ class RulePlayout(Policy):
     unfinished requests' output lengths are drawn by :func:`sampled_output_lengths` (the same
     futures for every action, :func:`playout_futures`), and the action with the soonest mean
     finish is taken: no foresight of output lengths, so what an observation of the queue could
-    reach. Both read the simulator's whole state (and every later arrival, none in the
-    all-at-once regime): never deployable, never a target. They cost about ``decisions x (k + 1) x max(S, 1)`` playouts per run. Stateless."""
+    reach. Both read the simulator's whole state, every later arrival included: never
+    deployable, never a target. They cost about ``decisions x (k + 1) x max(S, 1)`` playouts
+    per run. Stateless."""
 
     def __init__(self, samples: int | None = None) -> None:
         if samples is not None and samples < 1:
