@@ -277,14 +277,15 @@ def _abort_unfinished(engine, submitted: dict[str, float], outputs: dict, label:
         engine.step()
 
 
-def ratio_stats(values) -> dict:
-    """Mean, min, max, standard error and 95% confidence interval (Student's t) of ``values``.
+def ratio_stats(values, *, unit: str = "round") -> dict:
+    """Mean, min, max, standard error and 95% confidence interval (Student's t) of ``values``,
+    one per ``unit`` (listed as ``per_<unit>``).
 
     The standard error and interval are ``None`` for a single value.
     """
     x = np.asarray(values, dtype=np.float64)
     mean, dof = float(x.mean()), len(x) - 1
-    stats = {"per_round": [round(float(v), 4) for v in x], "mean": round(mean, 4), "min": round(float(x.min()), 4),
+    stats = {f"per_{unit}": [round(float(v), 4) for v in x], "mean": round(mean, 4), "min": round(float(x.min()), 4),
              "max": round(float(x.max()), 4), "sem": None, "ci95": None}
     if dof:
         sem = float(x.std(ddof=1) / np.sqrt(len(x)))
@@ -341,12 +342,17 @@ def rotated(labels: list[str], round_index: int) -> list[str]:
 
 
 def run_schedulers(llm, trace, sides: dict[str, tuple[type, dict]], *, rounds: int, online: bool = False,
-                   time_scale: float = 1.0, timeout_s: float = DEFAULT_ROUND_TIMEOUT_S) -> dict:
+                   time_scale: float = 1.0, timeout_s: float = DEFAULT_ROUND_TIMEOUT_S, warm_up: bool = True,
+                   rotation: int = 0) -> dict:
     """Every side ``{label: (scheduler_cls, constructor kwargs)}`` on ``trace``, ``rounds`` times each.
 
-    Every side first serves one untimed warm-up round (the engine compiles CPU kernels for each new
-    batch shape, and the sides batch differently: a side's first round measured 2.8x slower than
-    its second); timed round ``i`` then runs the sides in :func:`rotated` order. Returns ``sides`` ({label: :func:`summarise`}), ``ratios`` ({label:
+    Unless ``warm_up`` is false (the engine already served the sides, e.g. on another seed of the
+    same workload), every side first serves one untimed warm-up round (the engine compiles CPU
+    kernels for each new batch shape, and the sides batch differently: a side's first round
+    measured 2.8x slower than its second); timed round ``i`` then runs the sides in
+    ``rotated(labels, rotation + i)`` order (:func:`rotated`; calls in sequence on new traces
+    without warm-up pass ``rotation`` = their index, so each side in turn serves a new trace first).
+    Returns ``sides`` ({label: :func:`summarise`}), ``ratios`` ({label:
     :func:`ratio_stats` of its per-round throughput over the first side's, rounds paired by
     index} for every other side), ``order``, ``identical_outputs`` (requests whose outputs are
     the same in every round of every side) and ``identical_to_reference`` ({label: requests whose
@@ -358,10 +364,11 @@ def run_schedulers(llm, trace, sides: dict[str, tuple[type, dict]], *, rounds: i
         raise ValueError("no scheduler to run")
     labels = list(sides)
     options = {"online": online, "time_scale": time_scale, "timeout_s": timeout_s}
-    for label, (cls, kwargs) in sides.items():
-        run_round(llm, trace, cls, label=f"warm-up {label}", round_index=-1, **options, **kwargs)
+    if warm_up:
+        for label, (cls, kwargs) in sides.items():
+            run_round(llm, trace, cls, label=f"warm-up {label}", round_index=-1, **options, **kwargs)
     results: dict[str, list[RoundResult]] = {label: [] for label in labels}
-    order = [rotated(labels, i) for i in range(rounds)]
+    order = [rotated(labels, rotation + i) for i in range(rounds)]
     for i, labels_i in enumerate(order):
         for label in labels_i:
             cls, kwargs = sides[label]

@@ -14,16 +14,28 @@ candidate exactly as deployed (:func:`deploy.scheduler.load_deployable_policy`).
 Per policy and figure (engine steps, output tokens/s, mean step time, cached prompt tokens,
 TTFT p50/p99): simulated, live, and the relative error ``sim / live - 1``. Targets
 (:data:`TARGETS`): throughput and steps within 10%, and the same ranking of the policies by
-throughput on both sides.
+throughput on both sides. Beside them, each policy's throughput over the first policy's
+(``ratio_to_first``), simulated and live: the comparison that does not depend on how fast the
+machine runs today against the day its profile was measured.
+
+Seeds: a generated workload is a different trace per seed; ``num_seeds`` runs seeds ``seed``,
+``seed + 1``, ... one after another on the same engine (warm-up only before the first; seed
+number ``k`` starts the rotation of the sides at ``k``, so the sides take turns at serving a new
+trace first), and ``across_seeds`` gives, per policy after the first, the distribution over
+seeds of its simulated and live ``ratio_to_first``. A recorded trace is the same for every
+seed, so it runs once (seed ``seed``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import time
 
 from traces.workload import ENGINE_SIZED_WORKLOADS
+
+logger = logging.getLogger(__name__)
 
 #: Figures compared, as keys of both sides' reports.
 FIGURES = ("steps", "output_tok_s", "step_ms_mean", "cached_prompt_tokens", "ttft_p50_s", "ttft_p99_s")
@@ -75,35 +87,61 @@ def live_sides(policies, *, max_wait_s: float) -> dict:
             for name in policies}
 
 
+def _cell(sim, live) -> dict:
+    """``{"sim", "live", "error"}`` with ``error = sim / live - 1`` (``None`` where undefined)."""
+    error = (sim / live - 1.0) if sim is not None and live else None
+    return {"sim": sim, "live": live, "error": None if error is None else round(error, 4)}
+
+
+def ratios_to_first(side: dict[str, dict]) -> dict[str, float]:
+    """Each policy's output tokens/s over the first policy's, for every policy after the first."""
+    first, *others = side
+    return {name: round(side[name]["output_tok_s"] / side[first]["output_tok_s"], 4) for name in others}
+
+
 def compare_sides(sim: dict[str, dict], live: dict[str, dict]) -> dict:
-    """Per policy and figure ``{"sim", "live", "error"}``; the rankings and whether targets are met."""
-    table = {}
-    for name in sim:
-        table[name] = {}
-        for figure in FIGURES:
-            s, v = sim[name][figure], live[name][figure]
-            error = (s / v - 1.0) if s is not None and v else None
-            table[name][figure] = {"sim": s, "live": v, "error": None if error is None else round(error, 4)}
+    """Per policy and figure ``{"sim", "live", "error"}``; per policy after the first, its
+    ``ratio_to_first`` on both sides; the rankings and whether targets are met."""
+    table = {name: {figure: _cell(sim[name][figure], live[name][figure]) for figure in FIGURES} for name in sim}
+    sim_ratio, live_ratio = ratios_to_first(sim), ratios_to_first(live)
     sim_rank = sorted(sim, key=lambda n: -sim[n]["output_tok_s"])
     live_rank = sorted(live, key=lambda n: -live[n]["output_tok_s"])
     met = {figure: all(abs(table[n][figure]["error"]) <= bound for n in table) for figure, bound in TARGETS.items()}
-    return {"policies": table, "sim_ranking": sim_rank, "live_ranking": live_rank,
+    return {"policies": table, "ratio_to_first": {name: _cell(sim_ratio[name], live_ratio[name]) for name in sim_ratio},
+            "sim_ranking": sim_rank, "live_ranking": live_rank,
             "same_ranking": sim_rank == live_rank, "targets_met": {**met, "ranking": sim_rank == live_rank}}
+
+
+def across_seeds(per_seed: dict[str, dict]) -> dict:
+    """Over the seeds of one workload: per policy after the first, :func:`~deploy.serve_bench.ratio_stats`
+    of its simulated and its live ``ratio_to_first`` (one value per seed); the seeds whose
+    simulated and live rankings agree."""
+    from deploy.serve_bench import ratio_stats
+
+    results = list(per_seed.values())
+    return {"policies": {name: {side: ratio_stats([r["ratio_to_first"][name][side] for r in results], unit="seed")
+                                for side in ("sim", "live")}
+                         for name in results[0]["ratio_to_first"]},
+            "seeds_same_ranking": sum(r["same_ranking"] for r in results), "num_seeds": len(results)}
 
 
 def validate(workloads: dict[str, str], *, policies=DEFAULT_POLICIES, profile: str | None = None,
              rounds: int = 3, online: bool = False, time_scale: float = 1.0, kv_cache_gib: float | None = None,
              max_wait_s: float | None = None, max_input_tokens: int | None = None,
-             max_output_tokens: int | None = None, seed: int = 0) -> dict:
-    """The whole report: one engine, and per workload the simulator and the engine on every policy."""
+             max_output_tokens: int | None = None, seed: int = 0, num_seeds: int = 1) -> dict:
+    """The whole report: one engine, and per workload and seed the simulator and the engine on every policy."""
     from deploy.serve_bench import DEFAULT_BENCH_KV_CACHE_GIB, clip_lengths, kv_capacity, run_schedulers
     from feather_gym.costmodel import hardware_profile, load_cost_model
     from feather_gym.policies import DEFAULT_MAX_WAIT_S
     from feather_gym.simulator import EngineConfig
     from feather_gym.vllm_engine import resolve_kv_cache_gib, start_engine
     from traces import resolve_workload
+    from traces.workload import is_generated
 
     policies = list(dict.fromkeys(policies))
+    if num_seeds < 1:
+        raise ValueError(f"num_seeds must be >= 1, got {num_seeds}")
+    seeds = range(seed, seed + num_seeds)
     for name in policies:            # refuse a bad policy before the engine starts
         if name != "fcfs":
             _deployable(name)
@@ -111,9 +149,11 @@ def validate(workloads: dict[str, str], *, policies=DEFAULT_POLICIES, profile: s
     cost_model = load_cost_model(profile)
     max_wait_s = DEFAULT_MAX_WAIT_S if max_wait_s is None else max_wait_s
     started = time.perf_counter()
-    traces = {name: clip_lengths(resolve_workload(spec, seed=seed), max_input_tokens=max_input_tokens,
-                                 max_output_tokens=max_output_tokens) for name, spec in workloads.items()}
-    longest = max(r.input_len + r.output_len for t in traces.values() for r in t)
+    traces = {name: {s: clip_lengths(resolve_workload(spec, seed=s), max_input_tokens=max_input_tokens,
+                                     max_output_tokens=max_output_tokens)
+                     for s in (seeds if is_generated(spec) else seeds[:1])}
+              for name, spec in workloads.items()}
+    longest = max(r.input_len + r.output_len for per_seed in traces.values() for t in per_seed.values() for r in t)
     kv_cache_gib = resolve_kv_cache_gib(kv_cache_gib, default=DEFAULT_BENCH_KV_CACHE_GIB)
     llm = start_engine(max_model_len=max(2048, longest), seed=seed, kv_cache_gib=kv_cache_gib)
     capacity = kv_capacity(llm)
@@ -122,38 +162,59 @@ def validate(workloads: dict[str, str], *, policies=DEFAULT_POLICIES, profile: s
                                  max_num_seqs=scheduler_config.max_num_seqs,
                                  block_size=capacity["kv_block_size_tokens"],
                                  kv_capacity_tokens=capacity["kv_capacity_tokens"], max_wait_s=max_wait_s)
-    report = {"profile": cost_model.name, "policies": policies, "rounds": rounds, "online": online,
-              "time_scale": time_scale, "max_wait_s": max_wait_s, "kv_cache_gib": kv_cache_gib, **capacity,
+    report = {"profile": cost_model.name, "policies": policies, "rounds": rounds, "seeds": list(seeds),
+              "online": online, "time_scale": time_scale, "max_wait_s": max_wait_s, "kv_cache_gib": kv_cache_gib, **capacity,
               "token_budget": engine_config.token_budget, "max_num_seqs": engine_config.max_num_seqs,
               "workloads": {}}
     sides = live_sides(policies, max_wait_s=max_wait_s)
-    for name, trace in traces.items():
-        served = as_served(trace, online=online, time_scale=time_scale)
-        sim = {policy: simulated(served, cost_model, engine_config, policy) for policy in policies}
-        live = run_schedulers(llm, trace, sides, rounds=rounds, online=online, time_scale=time_scale)
-        report["workloads"][name] = {"spec": workloads[name], "num_requests": len(trace),
-                                     **compare_sides(sim, live["sides"]),
-                                     "live_ratio_to_first": live["ratios"],
-                                     "requests_lost": {p: live["sides"][p]["requests_lost"] for p in policies}}
+    for name, per_seed in traces.items():
+        results = {}
+        for k, (s, trace) in enumerate(per_seed.items()):
+            logger.info("%s, seed %d (%d of %d)", name, s, k + 1, len(per_seed))
+            served = as_served(trace, online=online, time_scale=time_scale)
+            sim = {policy: simulated(served, cost_model, engine_config, policy) for policy in policies}
+            live = run_schedulers(llm, trace, sides, rounds=rounds, online=online, time_scale=time_scale,
+                                  warm_up=k == 0, rotation=k)
+            results[str(s)] = {"num_requests": len(trace), **compare_sides(sim, live["sides"]),
+                               "live_ratio_to_first": live["ratios"], "live_order": live["order"],
+                               "requests_lost": {p: live["sides"][p]["requests_lost"] for p in policies}}
+        report["workloads"][name] = {"spec": workloads[name], "seeds": results, "across_seeds": across_seeds(results)}
     report["wall_s"] = round(time.perf_counter() - started, 1)
     return report
 
 
 def format_report(report: dict) -> str:
     """The sim-against-live table, one row per workload, policy and figure."""
-    rows = [f"profile {report['profile']}, {report['rounds']} live rounds per policy, "
-            f"{'online' if report['online'] else 'all requests at once'}, KV {report['kv_capacity_tokens']} tokens",
-            f"{'workload':<16}{'policy':<22}{'figure':<22}{'sim':>12}{'live':>12}{'error':>9}"]
+    rows = [f"profile {report['profile']}, {report['rounds']} live rounds per policy and seed, seeds "
+            f"{report['seeds'][0]}-{report['seeds'][-1]}, {'online' if report['online'] else 'all requests at once'}, "
+            f"KV {report['kv_capacity_tokens']} tokens",
+            f"{'workload':<16}{'seed':>5}  {'policy':<22}{'figure':<22}{'sim':>12}{'live':>12}{'error':>9}"]
     for name, w in report["workloads"].items():
-        for policy, figures in w["policies"].items():
-            label = policy if len(policy) <= 21 else "..." + policy[-18:]
-            for figure, cell in figures.items():
-                error = "" if cell["error"] is None else f"{cell['error']:+.1%}"
-                rows.append(f"{name:<16}{label:<22}{figure:<22}{_num(cell['sim']):>12}{_num(cell['live']):>12}"
-                            f"{error:>9}")
-        rows.append(f"{name:<16}ranking sim {w['sim_ranking']} live {w['live_ranking']}; "
-                    f"targets met {w['targets_met']}")
+        for seed, result in w["seeds"].items():
+            for policy, figures in result["policies"].items():
+                figures = {**figures, **({"ratio_to_first": result["ratio_to_first"][policy]}
+                                         if policy in result["ratio_to_first"] else {})}
+                for figure, cell in figures.items():
+                    error = "" if cell["error"] is None else f"{cell['error']:+.1%}"
+                    rows.append(f"{name:<16}{seed:>5}  {_label(policy):<22}{figure:<22}{_num(cell['sim']):>12}"
+                                f"{_num(cell['live']):>12}{error:>9}")
+            rows.append(f"{name:<16}{seed:>5}  ranking sim {result['sim_ranking']} live {result['live_ranking']}; "
+                        f"targets met {result['targets_met']}")
+        seeds = w["across_seeds"]
+        for policy, sides in seeds["policies"].items():
+            rows.append(f"{name:<16}{'all':>5}  {_label(policy)} / {report['policies'][0]} over {seeds['num_seeds']} "
+                        f"seeds: sim {_stats(sides['sim'])}, live {_stats(sides['live'])}")
+        rows.append(f"{name:<16}{'all':>5}  same ranking on {seeds['seeds_same_ranking']}/{seeds['num_seeds']} seeds")
     return "\n".join(rows)
+
+
+def _label(policy: str) -> str:
+    return policy if len(policy) <= 21 else "..." + policy[-18:]
+
+
+def _stats(stats: dict) -> str:
+    spread = f" (95% CI {stats['ci95'][0]:.3f}-{stats['ci95'][1]:.3f})" if stats["ci95"] else ""
+    return f"{stats['mean']:.3f}{spread}"
 
 
 def _num(value) -> str:
@@ -178,7 +239,9 @@ def register(commands) -> None:
     parser.add_argument("--max-wait-s", type=float, default=None, help="the admission's waiting-time bound (default 10)")
     parser.add_argument("--max-input-tokens", type=int, default=None)
     parser.add_argument("--max-output-tokens", type=int, default=None)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="the workload's (first) seed (default 0)")
+    parser.add_argument("--seeds", type=int, default=1,
+                        help="seeds per workload: --seed, --seed + 1, ... (default 1); a summary over them")
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object (last line)")
     parser.set_defaults(func=_command)
 
@@ -191,7 +254,7 @@ def _command(args) -> int:
                       rounds=args.rounds, online=args.online, time_scale=args.time_scale,
                       kv_cache_gib=args.kv_cache_gib, max_wait_s=args.max_wait_s,
                       max_input_tokens=args.max_input_tokens, max_output_tokens=args.max_output_tokens,
-                      seed=args.seed)
+                      seed=args.seed, num_seeds=args.seeds)
     print(format_report(report))
     if args.json:
         print(json.dumps(report))
