@@ -15,8 +15,9 @@ Per policy and figure (engine steps, output tokens/s, mean step time, cached pro
 TTFT p50/p99): simulated, live, and the relative error ``sim / live - 1``. Targets
 (:data:`TARGETS`): throughput and steps within 10%, and the same ranking of the policies by
 throughput on both sides. Beside them, each policy's throughput over the first policy's
-(``ratio_to_first``), simulated and live: the comparison that does not depend on how fast the
-machine runs today against the day its profile was measured.
+(``ratio_to_first``, over all of its rounds, simulated and live alike): the comparison that does
+not depend on how fast the machine runs today against the day its profile was measured.
+``live_ratio_to_first`` is the live side's per-round pairing of the same ratio, with its spread.
 
 Seeds: a generated workload is a different trace per seed; ``num_seeds`` runs seeds ``seed``,
 ``seed + 1``, ... one after another on the same engine (warm-up only before the first; seed
@@ -163,8 +164,8 @@ def validate(workloads: dict[str, str], *, policies=DEFAULT_POLICIES, profile: s
                                  block_size=capacity["kv_block_size_tokens"],
                                  kv_capacity_tokens=capacity["kv_capacity_tokens"], max_wait_s=max_wait_s)
     report = {"profile": cost_model.name, "policies": policies, "rounds": rounds, "seeds": list(seeds),
-              "online": online, "time_scale": time_scale, "max_wait_s": max_wait_s, "kv_cache_gib": kv_cache_gib, **capacity,
-              "token_budget": engine_config.token_budget, "max_num_seqs": engine_config.max_num_seqs,
+              "online": online, "time_scale": time_scale, "max_wait_s": max_wait_s, "kv_cache_gib": kv_cache_gib,
+              **capacity, "token_budget": engine_config.token_budget, "max_num_seqs": engine_config.max_num_seqs,
               "workloads": {}}
     sides = live_sides(policies, max_wait_s=max_wait_s)
     for name, per_seed in traces.items():
@@ -184,7 +185,8 @@ def validate(workloads: dict[str, str], *, policies=DEFAULT_POLICIES, profile: s
 
 
 def format_report(report: dict) -> str:
-    """The sim-against-live table, one row per workload, policy and figure."""
+    """The sim-against-live table: one row per workload, seed, policy and figure, then per
+    workload one row per policy after the first over all its seeds."""
     rows = [f"profile {report['profile']}, {report['rounds']} live rounds per policy and seed, seeds "
             f"{report['seeds'][0]}-{report['seeds'][-1]}, {'online' if report['online'] else 'all requests at once'}, "
             f"KV {report['kv_capacity_tokens']} tokens",
@@ -192,9 +194,10 @@ def format_report(report: dict) -> str:
     for name, w in report["workloads"].items():
         for seed, result in w["seeds"].items():
             for policy, figures in result["policies"].items():
-                figures = {**figures, **({"ratio_to_first": result["ratio_to_first"][policy]}
-                                         if policy in result["ratio_to_first"] else {})}
-                for figure, cell in figures.items():
+                cells = dict(figures)
+                if policy in result["ratio_to_first"]:
+                    cells["ratio_to_first"] = result["ratio_to_first"][policy]
+                for figure, cell in cells.items():
                     error = "" if cell["error"] is None else f"{cell['error']:+.1%}"
                     rows.append(f"{name:<16}{seed:>5}  {_label(policy):<22}{figure:<22}{_num(cell['sim']):>12}"
                                 f"{_num(cell['live']):>12}{error:>9}")
