@@ -133,14 +133,16 @@ def install_scheduler(llm, scheduler_cls, **kwargs):
 @dataclass
 class SchedulerMeter:
     """What one scheduler instance did: its steps, the tokens it scheduled (prompt tokens computed,
-    recomputed ones included, plus decoded ones), its preemptions, and the thread CPU time of
-    its ``schedule``/``update_from_output`` calls."""
+    recomputed ones included, plus decoded ones), its preemptions, the step (from 1) that first
+    scheduled each request (by engine request id; a resumed request is not scheduled anew), and
+    the thread CPU time of its ``schedule``/``update_from_output`` calls."""
 
     steps: int = 0
     scheduled_tokens: int = 0
     preemptions: int = 0
     schedule_ns: int = 0
     update_ns: int = 0
+    first_scheduled_step: dict[str, int] = field(default_factory=dict)
 
     def attach(self, scheduler) -> None:
         """Wrap the instance's methods (the class is left untouched)."""
@@ -155,6 +157,8 @@ class SchedulerMeter:
                 self.schedule_ns += clock() - start
                 self.steps += 1
             self.scheduled_tokens += output.total_num_scheduled_tokens
+            for request in output.scheduled_new_reqs:
+                self.first_scheduled_step.setdefault(request.req_id, self.steps)
             return output
 
         def timed_update(*args, **kwargs):
@@ -178,7 +182,9 @@ class RoundResult:
 
     ``outputs`` holds the output tokens of the requests that finished; ``ttft_s`` one value
     per request that produced a first token; ``lost`` counts the trace's requests that did not
-    finish with their full output length (aborted at the time limit, or never submitted).
+    finish with their full output length (aborted at the time limit, or never submitted);
+    ``first_scheduled_step`` the engine step (from 1) that first scheduled each request, in
+    trace order (0: never), the simulator's :attr:`~feather_gym.simulator.SimResult.first_scheduled_step`.
     """
 
     label: str
@@ -189,6 +195,7 @@ class RoundResult:
     finished: int
     lost: int
     meter: SchedulerMeter
+    first_scheduled_step: np.ndarray
     outputs: dict[str, list[int]] = field(repr=False)
     scheduler_stats: dict = field(default_factory=dict)
 
@@ -232,12 +239,13 @@ def run_round(llm, trace, scheduler_cls, *, label: str, round_index: int, online
     tokens: dict[str, list[int]] = {}
     ttft: list[float] = []
     outputs, cached, next_index = {}, 0, 0
+    engine_ids: list[str | None] = [None] * len(prompts)
     clock = time.perf_counter
     start = clock()
     while True:
         now = clock() - start
         while next_index < len(prompts) and offsets[next_index] <= now:
-            engine.add_request(*prompts[next_index])
+            engine_ids[next_index] = engine.add_request(*prompts[next_index])   # vLLM adds a random suffix
             submitted[prompts[next_index][0]] = clock()
             next_index += 1
         if now > timeout_s:
@@ -264,8 +272,9 @@ def run_round(llm, trace, scheduler_cls, *, label: str, round_index: int, online
     logger.info("round %d %s: %.2f s, %d steps, %.2f output tok/s, %d/%d complete", round_index, label, wall_s,
                 meter.steps, output_tokens / wall_s, complete, len(trace))
     stats = scheduler.feather_stats() if hasattr(scheduler, "feather_stats") else {}
+    first_step = np.array([meter.first_scheduled_step.get(engine_id, 0) for engine_id in engine_ids])
     return RoundResult(label, wall_s, output_tokens, cached, np.array(ttft), len(outputs),
-                       len(trace) - complete, meter, outputs, stats)
+                       len(trace) - complete, meter, first_step, outputs, stats)
 
 
 def _abort_unfinished(engine, submitted: dict[str, float], outputs: dict, label: str, timeout_s: float) -> None:
@@ -328,6 +337,7 @@ def summarise(rounds: list[RoundResult]) -> dict:
             "scheduled_tokens": [r.meter.scheduled_tokens for r in rounds],
             "ttft_p50_s": [_percentile(r.ttft_s, 50) for r in rounds],
             "requests_lost": [r.lost for r in rounds],
+            "first_scheduled_step": [r.first_scheduled_step.tolist() for r in rounds],
         },
     }
     if rounds[-1].scheduler_stats:

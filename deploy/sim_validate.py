@@ -12,7 +12,12 @@ Policies: ``fcfs`` is vLLM's own ``Scheduler``; every other one (``feather-rule`
 candidate exactly as deployed (:func:`deploy.scheduler.load_deployable_policy`).
 
 Per policy and figure (engine steps, output tokens/s, mean step time, cached prompt tokens,
-TTFT p50/p99): simulated, live, and the relative error ``sim / live - 1``. Targets
+TTFT p50/p99, preemptions): simulated, live, and the relative error ``sim / live - 1``; and
+``same_first_step``, the share of requests (over the live rounds) that the engine first scheduled
+in the same step as the simulator: 1.0 when the simulator reproduces the engine's admissions
+step for step. vLLM's own scheduler (``fcfs``) decides without a clock, so there it depends on
+the engine model alone; the Feather admission's waiting-time bound is in seconds, so on a machine
+slower than its profile it trips at other steps. Targets
 (:data:`TARGETS`): throughput and steps within 10%, and the same ranking of the policies by
 throughput on both sides. Beside them, each policy's throughput over the first policy's
 (``ratio_to_first``, over all of its rounds, simulated and live alike): the comparison that does
@@ -39,7 +44,8 @@ from traces.workload import ENGINE_SIZED_WORKLOADS
 logger = logging.getLogger(__name__)
 
 #: Figures compared, as keys of both sides' reports.
-FIGURES = ("steps", "output_tok_s", "step_ms_mean", "cached_prompt_tokens", "ttft_p50_s", "ttft_p99_s")
+FIGURES = ("steps", "output_tok_s", "step_ms_mean", "cached_prompt_tokens", "ttft_p50_s", "ttft_p99_s",
+           "preemptions")
 #: Largest |sim / live - 1| accepted per figure.
 TARGETS = {"output_tok_s": 0.10, "steps": 0.10}
 DEFAULT_POLICIES = ("fcfs", "feather-rule")
@@ -58,17 +64,33 @@ def as_served(trace, *, online: bool, time_scale: float):
     return traces.Trace(trace.name, requests, trace.source, trace.block_size)
 
 
+def simulated_engine(llm, *, max_wait_s: float):
+    """The simulator's :class:`~feather_gym.simulator.EngineConfig` of the started engine ``llm``:
+    its token budget, ``max_num_seqs``, KV block size and KV capacity, and the admission's bound."""
+    from deploy.serve_bench import kv_capacity
+    from feather_gym.simulator import EngineConfig
+
+    capacity = kv_capacity(llm)
+    scheduler_config = llm.llm_engine.vllm_config.scheduler_config
+    return EngineConfig(token_budget=scheduler_config.max_num_batched_tokens, max_num_seqs=scheduler_config.max_num_seqs,
+                        block_size=capacity["kv_block_size_tokens"], kv_capacity_tokens=capacity["kv_capacity_tokens"],
+                        max_wait_s=max_wait_s)
+
+
 def simulated(trace, cost_model, engine_config, policy_name: str) -> dict:
-    """The simulator's :data:`FIGURES` for ``policy_name`` on ``trace``."""
+    """The simulator's :data:`FIGURES` for ``policy_name`` on ``trace``, its decisions, and the
+    step that first scheduled each request (trace order)."""
     from feather_gym.policies import make_policy
     from feather_gym.simulator import simulate
 
     policy = make_policy("fcfs") if policy_name == "fcfs" else _deployable(policy_name)
-    metrics = simulate(trace, cost_model, policy, config=engine_config).metrics()
+    result = simulate(trace, cost_model, policy, config=engine_config)
+    metrics = result.metrics()
     return {"steps": metrics["steps"], "output_tok_s": metrics["throughput_tok_s"],
             "step_ms_mean": metrics["step_ms_mean"], "cached_prompt_tokens": metrics["cached_prompt_tokens"],
             "ttft_p50_s": metrics["ttft_p50_s"], "ttft_p99_s": metrics["ttft_p99_s"],
-            "preemptions": metrics["preemptions"], "decisions": metrics["decisions"]}
+            "preemptions": metrics["preemptions"], "decisions": metrics["decisions"],
+            "first_scheduled_step": result.first_scheduled_step.tolist()}
 
 
 def _deployable(name: str):
@@ -100,29 +122,42 @@ def ratios_to_first(side: dict[str, dict]) -> dict[str, float]:
     return {name: round(side[name]["output_tok_s"] / side[first]["output_tok_s"], 4) for name in others}
 
 
+def same_first_step(sim_steps, live_rounds) -> float:
+    """Share of the requests, over the live rounds (one list of steps each, trace order), that were
+    first scheduled in the same engine step as in the simulator (``sim_steps``)."""
+    import numpy as np
+
+    return round(float((np.asarray(live_rounds) == np.asarray(sim_steps)).mean()), 4)
+
+
 def compare_sides(sim: dict[str, dict], live: dict[str, dict]) -> dict:
-    """Per policy and figure ``{"sim", "live", "error"}``; per policy after the first, its
-    ``ratio_to_first`` on both sides; the rankings and whether targets are met."""
+    """Per policy and figure ``{"sim", "live", "error"}``; per policy its :func:`same_first_step`;
+    per policy after the first, its ``ratio_to_first`` on both sides; the rankings and whether
+    targets are met."""
     table = {name: {figure: _cell(sim[name][figure], live[name][figure]) for figure in FIGURES} for name in sim}
     sim_ratio, live_ratio = ratios_to_first(sim), ratios_to_first(live)
     sim_rank = sorted(sim, key=lambda n: -sim[n]["output_tok_s"])
     live_rank = sorted(live, key=lambda n: -live[n]["output_tok_s"])
     met = {figure: all(abs(table[n][figure]["error"]) <= bound for n in table) for figure, bound in TARGETS.items()}
-    return {"policies": table, "ratio_to_first": {name: _cell(sim_ratio[name], live_ratio[name]) for name in sim_ratio},
+    same_step = {name: same_first_step(sim[name]["first_scheduled_step"], live[name]["per_round"]["first_scheduled_step"])
+                 for name in sim}
+    return {"policies": table, "same_first_step": same_step, "ratio_to_first": {name: _cell(sim_ratio[name], live_ratio[name]) for name in sim_ratio},
             "sim_ranking": sim_rank, "live_ranking": live_rank,
             "same_ranking": sim_rank == live_rank, "targets_met": {**met, "ranking": sim_rank == live_rank}}
 
 
 def across_seeds(per_seed: dict[str, dict]) -> dict:
     """Over the seeds of one workload: per policy after the first, :func:`~deploy.serve_bench.ratio_stats`
-    of its simulated and its live ``ratio_to_first`` (one value per seed); the seeds whose
-    simulated and live rankings agree."""
+    of its simulated and its live ``ratio_to_first`` (one value per seed); per policy the mean
+    over seeds of its ``same_first_step``; the seeds whose simulated and live rankings agree."""
     from deploy.serve_bench import ratio_stats
 
     results = list(per_seed.values())
     return {"policies": {name: {side: ratio_stats([r["ratio_to_first"][name][side] for r in results], unit="seed")
                                 for side in ("sim", "live")}
                          for name in results[0]["ratio_to_first"]},
+            "same_first_step": {name: round(sum(r["same_first_step"][name] for r in results) / len(results), 4)
+                                for name in results[0]["same_first_step"]},
             "seeds_same_ranking": sum(r["same_ranking"] for r in results), "num_seeds": len(results)}
 
 
@@ -134,7 +169,6 @@ def validate(workloads: dict[str, str], *, policies=DEFAULT_POLICIES, profile: s
     from deploy.serve_bench import DEFAULT_BENCH_KV_CACHE_GIB, clip_lengths, kv_capacity, run_schedulers
     from feather_gym.costmodel import hardware_profile, load_cost_model
     from feather_gym.policies import DEFAULT_MAX_WAIT_S
-    from feather_gym.simulator import EngineConfig
     from feather_gym.vllm_engine import resolve_kv_cache_gib, start_engine
     from traces import resolve_workload
     from traces.workload import is_generated
@@ -158,11 +192,7 @@ def validate(workloads: dict[str, str], *, policies=DEFAULT_POLICIES, profile: s
     kv_cache_gib = resolve_kv_cache_gib(kv_cache_gib, default=DEFAULT_BENCH_KV_CACHE_GIB)
     llm = start_engine(max_model_len=max(2048, longest), seed=seed, kv_cache_gib=kv_cache_gib)
     capacity = kv_capacity(llm)
-    scheduler_config = llm.llm_engine.vllm_config.scheduler_config
-    engine_config = EngineConfig(token_budget=scheduler_config.max_num_batched_tokens,
-                                 max_num_seqs=scheduler_config.max_num_seqs,
-                                 block_size=capacity["kv_block_size_tokens"],
-                                 kv_capacity_tokens=capacity["kv_capacity_tokens"], max_wait_s=max_wait_s)
+    engine_config = simulated_engine(llm, max_wait_s=max_wait_s)
     report = {"profile": cost_model.name, "policies": policies, "rounds": rounds, "seeds": list(seeds),
               "online": online, "time_scale": time_scale, "max_wait_s": max_wait_s, "kv_cache_gib": kv_cache_gib,
               **capacity, "token_budget": engine_config.token_budget, "max_num_seqs": engine_config.max_num_seqs,
@@ -203,11 +233,15 @@ def format_report(report: dict) -> str:
                                 f"{_num(cell['live']):>12}{error:>9}")
             rows.append(f"{name:<16}{seed:>5}  ranking sim {result['sim_ranking']} live {result['live_ranking']}; "
                         f"targets met {result['targets_met']}")
+            rows.append(f"{name:<16}{seed:>5}  first scheduled in the simulator's step: " + ", ".join(
+                f"{_label(policy)} {share:.0%}" for policy, share in result["same_first_step"].items()))
         seeds = w["across_seeds"]
         for policy, sides in seeds["policies"].items():
             rows.append(f"{name:<16}{'all':>5}  {_label(policy)} / {report['policies'][0]} over {seeds['num_seeds']} "
                         f"seeds: sim {_stats(sides['sim'])}, live {_stats(sides['live'])}")
-        rows.append(f"{name:<16}{'all':>5}  same ranking on {seeds['seeds_same_ranking']}/{seeds['num_seeds']} seeds")
+        rows.append(f"{name:<16}{'all':>5}  same ranking on {seeds['seeds_same_ranking']}/{seeds['num_seeds']} seeds; "
+                    "first scheduled in the simulator's step: " + ", ".join(
+                        f"{_label(policy)} {share:.0%}" for policy, share in seeds["same_first_step"].items()))
     return "\n".join(rows)
 
 

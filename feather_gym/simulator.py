@@ -91,6 +91,9 @@ from traces.chunk_hash import request_chunk_hashes
 _PENDING, _WAITING, _RUNNING, _FINISHED, _REJECTED = range(5)
 _NO_DECODE = DecodeBatch(0, 0, 0, 0)
 _DIGEST_MASK = (1 << 64) - 1
+#: Blocks of the engine's KV cache that no request can hold: vLLM's ``BlockPool`` takes one as its
+#: null block (``get_usage`` and the free count leave it out).
+NULL_BLOCKS = 1
 
 
 @dataclass(frozen=True)
@@ -100,7 +103,7 @@ class EngineConfig:
     token_budget: int | None = None        #: max_num_batched_tokens per step
     max_num_seqs: int = 256                #: running requests at most
     block_size: int | None = None          #: tokens per KV block = per CHT chunk
-    kv_capacity_tokens: int | None = None
+    kv_capacity_tokens: int | None = None  #: the engine's KV cache: its allocated blocks x block size
     max_wait_s: float = DEFAULT_MAX_WAIT_S  #: waiting-time bound of the admission (as deployed)
     hybrid: HybridSimConfig | None = None  #: a hybrid model's recurrent-state cache (None: dense model)
 
@@ -121,9 +124,10 @@ class EngineConfig:
 
     @property
     def kv_blocks(self) -> int:
-        """KV blocks for attention (the capacity less a hybrid model's recurrent-state reserve)."""
+        """KV blocks requests can hold for attention: the capacity less vLLM's null block
+        (:data:`NULL_BLOCKS`) and a hybrid model's recurrent-state reserve."""
         reserve = self.hybrid.max_states * self.hybrid.state_blocks if self.hybrid else 0
-        return self.kv_capacity_tokens // self.block_size - reserve
+        return self.kv_capacity_tokens // self.block_size - NULL_BLOCKS - reserve
 
 
 def trace_digests(trace: Trace, block_size: int) -> list[np.ndarray]:
@@ -173,6 +177,7 @@ class SimResult:
 
     arrival_s: np.ndarray
     first_scheduled_s: np.ndarray
+    first_scheduled_step: np.ndarray  #: int: the engine step (from 1) that first scheduled it; 0: never
     first_token_s: np.ndarray
     finish_s: np.ndarray
     output_len: np.ndarray
@@ -265,6 +270,7 @@ class Simulator:
 
         nan = np.full(n, np.nan)
         self.first_scheduled_s, self.first_token_s, self.finish_s = nan.copy(), nan.copy(), nan.copy()
+        self.first_scheduled_step = np.zeros(n, dtype=np.int64)
         self._state = [_PENDING] * n
         self._emitted = [0] * n           # output tokens emitted so far (kept across preemption)
         self._epoch = [0] * n             # bumped on preemption: invalidates heap entries
@@ -386,7 +392,8 @@ class Simulator:
 
     def result(self) -> SimResult:
         finished = np.array([s == _FINISHED for s in self._state], dtype=bool)
-        return SimResult(np.array(self._arrivals, dtype=np.float64), self.first_scheduled_s, self.first_token_s,
+        return SimResult(np.array(self._arrivals, dtype=np.float64), self.first_scheduled_s,
+                         self.first_scheduled_step, self.first_token_s,
                          self.finish_s, np.array(self._output_len, dtype=np.int64), finished, self.step,
                          self.num_preemptions, self.num_decisions, self.prefill_tokens, self.cached_prompt_tokens,
                          self.num_forced_wait, self.states.metrics() if self.states is not None else None)
@@ -526,6 +533,7 @@ class Simulator:
         computed = len(hits) * self.block_size
         if math.isnan(self.first_scheduled_s[idx]):
             self.first_scheduled_s[idx] = self.now_s
+            self.first_scheduled_step[idx] = self.step
             self.cached_prompt_tokens += computed
         self._computed[idx] = computed
         self._prefilling[idx] = self.context_tokens(idx) - computed
@@ -569,20 +577,23 @@ class Simulator:
             del self._prefilling[idx]
             self._emit_first(idx)
         heap, epoch, step = self._finish_heap, self._epoch, self.step
+        finished = False
         while heap and heap[0][0] <= step:
             _, idx, e = heapq.heappop(heap)
             if e == epoch[idx] and self._state[idx] == _RUNNING:
                 self._leave_decode(idx, self._output_len[idx])
                 self._finish(idx)
-        if not chunks and not self._stopped and not self._preempted_this_step:
+                finished = True
+        if not chunks and not finished and not self._stopped and not self._preempted_this_step:
             self._fast_forward()
 
     def _fast_forward(self) -> None:
         """Run the decode-only steps before the next event in one go.
 
-        Called after a step with no prefill in which admission ended by itself (no candidate,
-        ``max_num_seqs``, KV full or no budget): until the next finish, block boundary or
-        arrival nothing can change that, so the following steps only decode a fixed batch
+        Called after a step with no prefill and no finish in which admission ended by itself
+        (no candidate, ``max_num_seqs``, KV full or no budget): until the next finish, block
+        boundary or arrival nothing can change that (a finish in this step frees blocks and a
+        seat, so the next step may admit), so the following steps only decode a fixed batch
         whose KV grows by ``B`` tokens a step. Their times come from the cost model: three
         calls and an arithmetic series when the step time is affine in that growth (checked),
         one call per step otherwise. Stale heap tops only make the jump shorter.

@@ -229,6 +229,31 @@ def test_blocks_are_registered_when_their_chunk_is_scheduled(h200):
     assert sim.kv.cached_prefix(chain) == 4 and sim.kv.blocks_held(0) == 5
 
 
+def test_the_null_block_holds_no_request(h200):
+    """vLLM's ``BlockPool`` keeps one of the engine's blocks as its null block: an engine of 8
+    blocks gives requests 7, and its KV usage (``get_usage``) is counted over those 7."""
+    sim = Simulator(Trace("t", [request(0, 0.0, tokens(2, 3 * BS), 4)]), h200, CHTOrder(),
+                    config=engine(kv_capacity_tokens=8 * BS))
+    assert sim.kv.capacity_blocks == 7
+    sim._begin_step()
+    assert sim._propose() is None and sim.kv_utilisation == 3 / 7
+
+
+def test_a_request_refused_for_kv_is_admitted_in_the_step_after_a_finish_frees_it(h200):
+    """vLLM tries the waiting queue every step: once a finish frees the blocks a waiting request
+    needs, the next step admits it, even while another request decodes on (the simulator must
+    not jump decode-only steps past that finish)."""
+    bs = 16
+    long_decoder = request(0, 0.0, tokens(20, bs), 60)    # decodes through all of it: 5 blocks at most
+    blocker = request(1, 0.0, tokens(21, 100), 40)         # 7 blocks, 9 by its last token
+    waiting = request(2, 0.0, tokens(22, 130), 10)         # needs 9 blocks: never free beside the other two
+    config = EngineConfig(block_size=bs, kv_capacity_tokens=17 * bs)    # 16 blocks beside the null block
+    result = simulate(Trace("t", [long_decoder, blocker, waiting]), h200, make_policy("fcfs"), config=config)
+    assert result.num_preemptions == 0 and result.finished.all()
+    assert list(result.first_scheduled_step[:2]) == [1, 1]
+    assert result.first_scheduled_step[2] == 40 + 1          # the blocker's prefill emits 1 token, 39 decode steps
+
+
 def test_generated_blocks_are_hashed_and_stay_cached_after_the_request(h200):
     prompt = tokens(8, 2 * BS + 10)
     sim = Simulator(Trace("t", [request(0, 0.0, prompt, 3 * BS)]), h200, CHTOrder(), config=engine())
@@ -267,14 +292,14 @@ def test_the_block_size_and_token_budget_default_to_the_profile(h200):
 def test_one_token_level_state_gives_one_observation_at_every_block_size(h200, block_size):
     """Prompts of multiples of 256 tokens: every feature is equal at block sizes 16, 128 and 256,
     except KV utilisation, whose blocks hold a decoder's growth in steps of one block (at most
-    one block per running request apart)."""
+    one block per running request apart) and whose capacity leaves out one null block of each size."""
     observations = [decision_observations(h200, block_size), decision_observations(h200, 256)]
     assert len(observations[0]) == len(observations[1]) >= 3
     kv = FEATURE_INDEX["kv_utilisation"]
     others = [i for i in range(len(FEATURE_NAMES)) if i != kv]
     for a, b in zip(*observations):
         np.testing.assert_allclose(a[others], b[others], rtol=1e-6)
-        assert abs(a[kv] - b[kv]) <= a[FEATURE_INDEX["batch_size"]] * 256 / KV_TOKENS
+        assert abs(a[kv] - b[kv]) <= (a[FEATURE_INDEX["batch_size"]] + 1) * 256 / (KV_TOKENS - 256)
 
 
 KV_TOKENS = 64 * 256
