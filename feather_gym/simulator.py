@@ -31,6 +31,7 @@ capacity come from the cost model's profile (:class:`EngineConfig`; 128-token bl
    finishes and frees its blocks.
 
 KV accounting is vLLM's ``BlockPool`` (:class:`~feather_gym.kv_cache.PrefixKVCache`): one
+of the engine's blocks is its null block, which no request holds (:data:`NULL_BLOCKS`); one
 LRU free queue of registered and plain blocks; a block is registered under its chained digest
 when the chunk that fills it is *scheduled* (vLLM's ``cache_blocks`` in ``allocate_slots``), so
 a same-prefix request admitted while the first is still in chunked prefill hits only the
@@ -48,7 +49,8 @@ Divergences from vLLM 0.32 that remain (effects measured with ``feather sim vali
 * Output blocks are registered when the next block is allocated (vLLM: when they fill), and a
   decoder's blocks are allocated one token late at most; neither affects other requests.
 * Step times are the cost model's: per-step noise and the engine's own overheads beyond its
-  fitted terms are not simulated.
+  fitted terms are not simulated. So the waiting-time bound, in seconds, trips at the steps the
+  cost model's clock puts it at; live it trips where the machine's speed that day does.
 
 Decoding requests are not touched per step: a request decoding since step ``s0`` with ``o0``
 tokens has emitted ``o0 + (k - s0)`` before step ``k``, and its finish and block-boundary
@@ -57,7 +59,10 @@ and a run of decode-only steps with nothing to decide is jumped over in one go (
 
 Invariants (tested): every accepted request finishes exactly once with exactly ``output_len``
 tokens; ``kv.used_blocks <= capacity`` always; the clock never goes back; every prompt token is
-either a cache hit or prefilled.
+either a cache hit or prefilled. Against the live engine (``tests/test_sim_validate.py``): under
+vLLM's own scheduler every request is first scheduled in the step the simulator schedules it,
+with as many preemptions, and so is it under the Feather rule without its waiting-time bound
+(:attr:`SimResult.first_scheduled_step`).
 
 Hybrid models (``EngineConfig.hybrid``): a prefix hit resumes only from the deepest kept
 recurrent state at or below its attention-KV match, and kept states take a reserve of the KV

@@ -13,6 +13,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from deploy.sim_validate import DEFAULT_WORKLOADS  # noqa: E402
+
 WORKLOAD = ("prefix-groups:num_requests=12,groups=3,prefix_tokens=256,suffix_tokens_min=16,suffix_tokens_max=64,"
             "output_tokens_min=8,output_tokens_max=24")
 
@@ -49,29 +51,50 @@ def test_sim_validate_reports_every_figure_and_the_engine_agrees_on_steps_and_hi
     assert small["across_seeds"]["num_seeds"] == 2
 
 
-@pytest.mark.slow
-def test_the_simulator_schedules_and_preempts_in_the_steps_of_vllms_scheduler_under_kv_pressure():
-    """vLLM's own scheduler on no-sharing seed 14, online at 1,000/s, in the bench's 0.25 GiB (45
-    blocks, one of them vLLM's null block): 32 requests of up to 560 tokens in 44 blocks, so the
-    engine preempts. The simulator once took 229 steps to the engine's 193 there (it gave requests
-    the null block, and jumped decode-only steps past a finish that freed a waiting request's
-    blocks); it must first-schedule every request in the engine's step and preempt as often."""
-    from vllm.v1.core.sched.scheduler import Scheduler
-
-    from deploy.serve_bench import DEFAULT_BENCH_KV_CACHE_GIB, run_round
-    from deploy.sim_validate import as_served, simulated, simulated_engine
-    from feather_gym.costmodel import load_cost_model
+@pytest.fixture(scope="module")
+def bench_engine():
+    """The bench's engine: SmolLM2-135M in float32, 0.25 GiB KV (45 blocks, one of them vLLM's null block)."""
+    from deploy.serve_bench import DEFAULT_BENCH_KV_CACHE_GIB
     from feather_gym.vllm_engine import start_engine
+
+    return start_engine(max_model_len=2048, kv_cache_gib=DEFAULT_BENCH_KV_CACHE_GIB)
+
+
+#: Traces on which the simulator once diverged from the engine, and a policy that runs them without a clock.
+SCHEDULE_PARITY_CASES = {
+    # 32 requests of up to 560 tokens in 44 blocks: vLLM's scheduler preempts. The simulator once
+    # took 229 steps to the engine's 193 here (it gave requests the null block, and jumped decode-only
+    # steps past a finish that freed a waiting request's blocks).
+    "fcfs, no-sharing seed 14 online": (
+        "fcfs", "no-sharing:num_requests=32,input_tokens_max=512,output_tokens_max=48,rate=1000", 14, True),
+    # 64 prefix blocks where the cache holds 44: the Feather rule reorders and keeps prefixes cached.
+    # Without the waiting-time bound (in seconds, so it trips where the machine's speed puts it) its
+    # admissions depend on the engine model alone.
+    "feather-rule unbounded, prefix-heavy seed 0": ("feather-rule", DEFAULT_WORKLOADS["prefix-heavy"], 0, False),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(SCHEDULE_PARITY_CASES))
+def test_the_simulator_schedules_every_request_in_the_engines_step(bench_engine, case):
+    """Each request is first scheduled in the same engine step live and simulated, with as many
+    steps, preemptions and prompt tokens served from the prefix cache."""
+    from deploy.serve_bench import run_round
+    from deploy.sim_validate import as_served, live_sides, simulated, simulated_engine
+    from feather_gym.costmodel import load_cost_model
     from traces import resolve_workload
 
-    trace = resolve_workload("no-sharing:num_requests=32,input_tokens_max=512,output_tokens_max=48,rate=1000", seed=14)
-    llm = start_engine(max_model_len=2048, kv_cache_gib=DEFAULT_BENCH_KV_CACHE_GIB)
-    live = run_round(llm, trace, Scheduler, label="fcfs", round_index=0, online=True)
-    sim = simulated(as_served(trace, online=True, time_scale=1.0), load_cost_model("vllm-cpu"),
-                    simulated_engine(llm, max_wait_s=10.0), "fcfs")
-    assert live.lost == 0 and live.meter.preemptions > 0
+    policy, spec, seed, online = SCHEDULE_PARITY_CASES[case]
+    unbounded = 1e9
+    trace = resolve_workload(spec, seed=seed)
+    cls, kwargs = live_sides([policy], max_wait_s=unbounded)[policy]
+    live = run_round(bench_engine, trace, cls, label=policy, round_index=0, online=online, **kwargs)
+    sim = simulated(as_served(trace, online=online, time_scale=1.0), load_cost_model("vllm-cpu"),
+                    simulated_engine(bench_engine, max_wait_s=unbounded), policy)
+    assert live.lost == 0
     assert sim["first_scheduled_step"] == live.first_scheduled_step.tolist()
-    assert (sim["steps"], sim["preemptions"]) == (live.meter.steps, live.meter.preemptions)
+    assert (sim["steps"], sim["preemptions"], sim["cached_prompt_tokens"]) == \
+        (live.meter.steps, live.meter.preemptions, live.cached_tokens)
 
 
 def test_ratios_to_first_and_across_seeds_share_one_definition_on_both_sides():
