@@ -72,9 +72,9 @@ def simulated_engine(llm, *, max_wait_s: float):
 
     capacity = kv_capacity(llm)
     scheduler_config = llm.llm_engine.vllm_config.scheduler_config
-    return EngineConfig(token_budget=scheduler_config.max_num_batched_tokens, max_num_seqs=scheduler_config.max_num_seqs,
-                        block_size=capacity["kv_block_size_tokens"], kv_capacity_tokens=capacity["kv_capacity_tokens"],
-                        max_wait_s=max_wait_s)
+    return EngineConfig(token_budget=scheduler_config.max_num_batched_tokens,
+                        max_num_seqs=scheduler_config.max_num_seqs, block_size=capacity["kv_block_size_tokens"],
+                        kv_capacity_tokens=capacity["kv_capacity_tokens"], max_wait_s=max_wait_s)
 
 
 def simulated(trace, cost_model, engine_config, policy_name: str) -> dict:
@@ -139,9 +139,10 @@ def compare_sides(sim: dict[str, dict], live: dict[str, dict]) -> dict:
     sim_rank = sorted(sim, key=lambda n: -sim[n]["output_tok_s"])
     live_rank = sorted(live, key=lambda n: -live[n]["output_tok_s"])
     met = {figure: all(abs(table[n][figure]["error"]) <= bound for n in table) for figure, bound in TARGETS.items()}
-    same_step = {name: same_first_step(sim[name]["first_scheduled_step"], live[name]["per_round"]["first_scheduled_step"])
-                 for name in sim}
-    return {"policies": table, "same_first_step": same_step, "ratio_to_first": {name: _cell(sim_ratio[name], live_ratio[name]) for name in sim_ratio},
+    same_step = {name: same_first_step(sim[name]["first_scheduled_step"],
+                                       live[name]["per_round"]["first_scheduled_step"]) for name in sim}
+    return {"policies": table, "same_first_step": same_step,
+            "ratio_to_first": {name: _cell(sim_ratio[name], live_ratio[name]) for name in sim_ratio},
             "sim_ranking": sim_rank, "live_ranking": live_rank,
             "same_ranking": sim_rank == live_rank, "targets_met": {**met, "ranking": sim_rank == live_rank}}
 

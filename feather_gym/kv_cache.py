@@ -23,6 +23,11 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+#: Blocks of an engine's KV cache that no request can hold: vLLM's ``BlockPool`` takes one as its
+#: null block (its free count and ``get_usage`` leave it out). A pool for an engine of ``n``
+#: blocks has ``n - NULL_BLOCKS``.
+NULL_BLOCKS = 1
+
 
 class PrefixKVCache:
     """Reference-counted blocks, per-request block tables, one LRU free queue (see module doc)."""

@@ -30,14 +30,15 @@ capacity come from the cost model's profile (:class:`EngineConfig`; 128-token bl
    prefill completes emits its first token; a request that has emitted ``output_len`` tokens
    finishes and frees its blocks.
 
-KV accounting is vLLM's ``BlockPool`` (:class:`~feather_gym.kv_cache.PrefixKVCache`): one
-of the engine's blocks is its null block, which no request holds (:data:`NULL_BLOCKS`); one
-LRU free queue of registered and plain blocks; a block is registered under its chained digest
-when the chunk that fills it is *scheduled* (vLLM's ``cache_blocks`` in ``allocate_slots``), so
-a same-prefix request admitted while the first is still in chunked prefill hits only the
-chunks already scheduled. Prompt blocks carry the trace's digests (one chain per request serves
-the CHT and the prefix cache); output blocks get digests of their own
-(:func:`output_block_digest`), which only the same request can hit, after a preemption.
+KV accounting is vLLM's ``BlockPool`` (:class:`~feather_gym.kv_cache.PrefixKVCache`): one of the
+engine's blocks is its null block, which no request holds
+(:data:`~feather_gym.kv_cache.NULL_BLOCKS`); one LRU free queue of registered and plain blocks;
+a block is registered under its chained digest when the chunk that fills it is *scheduled*
+(vLLM's ``cache_blocks`` in ``allocate_slots``), so a same-prefix request admitted while the
+first is still in chunked prefill hits only the chunks already scheduled. Prompt blocks carry
+the trace's digests (one chain per request serves the CHT and the prefix cache); output blocks
+get digests of their own (:func:`output_block_digest`), which only the same request can hit,
+after a preemption.
 
 Divergences from vLLM 0.32 that remain (effects measured with ``feather sim validate``):
 
@@ -86,7 +87,7 @@ import numpy as np
 from cache_core.cht import ChunkedHashTree
 from feather_gym.costmodel import CostModel, DecodeBatch
 from feather_gym.hybrid.state_keeping import HybridSimConfig, StateKeeper
-from feather_gym.kv_cache import PrefixKVCache
+from feather_gym.kv_cache import NULL_BLOCKS, PrefixKVCache
 from feather_gym.observation import DEFAULT_NUM_CANDIDATES, DecisionPoint, chosen_slot
 from feather_gym.orderings import WaitingOrder
 from feather_gym.policies import DEFAULT_MAX_WAIT_S
@@ -96,9 +97,6 @@ from traces.chunk_hash import request_chunk_hashes
 _PENDING, _WAITING, _RUNNING, _FINISHED, _REJECTED = range(5)
 _NO_DECODE = DecodeBatch(0, 0, 0, 0)
 _DIGEST_MASK = (1 << 64) - 1
-#: Blocks of the engine's KV cache that no request can hold: vLLM's ``BlockPool`` takes one as its
-#: null block (``get_usage`` and the free count leave it out).
-NULL_BLOCKS = 1
 
 
 @dataclass(frozen=True)
@@ -130,7 +128,7 @@ class EngineConfig:
     @property
     def kv_blocks(self) -> int:
         """KV blocks requests can hold for attention: the capacity less vLLM's null block
-        (:data:`NULL_BLOCKS`) and a hybrid model's recurrent-state reserve."""
+        (:data:`~feather_gym.kv_cache.NULL_BLOCKS`) and a hybrid model's recurrent-state reserve."""
         reserve = self.hybrid.max_states * self.hybrid.state_blocks if self.hybrid else 0
         return self.kv_capacity_tokens // self.block_size - NULL_BLOCKS - reserve
 

@@ -56,6 +56,8 @@ from typing import Callable, NamedTuple
 
 import numpy as np
 
+from feather_gym.kv_cache import NULL_BLOCKS
+
 from .profile_io import PROFILE_SCHEMA
 from .profiler_torch import DecodePoint, _stats, hardware_info
 from .shapes import model_preset
@@ -180,8 +182,9 @@ def check_grid(limits: EngineLimits, decode: list[DecodePoint], prefill: list[Pr
             raise ValueError(f"{point}: more requests than max_num_seqs {limits.max_num_seqs}")
         needed = (point.num_groups * point.shared_prefix_tokens // bs
                   + point.batch_size * blocks(point.unique_tokens_per_request + steps + 1) + extra_blocks)
-        if needed > limits.num_blocks:
-            raise ValueError(f"{point}: needs {needed} KV blocks, the engine has {limits.num_blocks}")
+        if needed > limits.num_blocks - NULL_BLOCKS:
+            raise ValueError(f"{point}: needs {needed} KV blocks, the engine has {limits.num_blocks - NULL_BLOCKS} "
+                             f"for requests ({limits.num_blocks} less vLLM's null block)")
 
     def check_prefill(point: PrefillPoint, decoding: int = 0) -> None:
         if point.cached_tokens % bs:
