@@ -1,21 +1,25 @@
-"""The simulator's KV-cache block pool with prefix caching: vLLM v1's ``BlockPool`` semantics.
+"""The simulator's KV-cache block pool with prefix caching: vLLM 0.32's ``BlockPool`` semantics.
 
 The pool has ``capacity_blocks`` physical blocks. Each running request owns a *block table*
 (its blocks in token order). A block is *registered* under a digest (the chained hash of the
 tokens it holds) once its tokens are full and scheduled; a registered block can be shared by
 any request whose chain has that digest. Blocks with no reference sit in one **free queue**,
-least recently freed first, whether they are registered or not, exactly as vLLM's
-``FreeKVCacheBlockQueue``:
+as in vLLM's ``FreeKVCacheBlockQueue``:
 
 * allocating takes blocks from the head of the free queue; a registered block taken there is
-  evicted (its digest forgotten), even while blocks freed later, registered or not, wait
-  behind it;
-* a request frees its table tail first, so its prefix blocks sit behind its own extensions
-  and are evicted after them;
-* a prefix hit on a registered free block takes it out of the free queue (it is "touched").
+  evicted (its digest forgotten);
+* a request frees its table tail first (vLLM's ``free``). Of the blocks left unreferenced, the
+  registered ones join the queue's tail, so cached blocks are evicted least recently freed
+  first, a request's prefix after its own extensions; the unregistered ones (a partly filled
+  last block, never hittable) join its head and are reused first (``BlockPool.free_blocks``:
+  LIFO for blocks without a hash);
+* a prefix hit on a registered free block takes it out of the free queue (it is "touched");
+* a block computed again holds its digest too (vLLM does not de-duplicate): a hit takes the
+  earliest-registered resident block of a digest, and evicting it leaves the next.
 
-Invariants (tested): ``free_blocks + referenced blocks == capacity_blocks``; every registered
-digest maps to one block holding it; a block is in the free queue iff its reference count is 0.
+Invariants (tested): ``free_blocks + referenced blocks == capacity_blocks``; every resident
+digest maps to the earliest-registered block holding it, and every block holding a digest is
+that block or one of its twins; a block is in the free queue iff its reference count is 0.
 Digests are Python ints (``ndarray.tolist()``); dict lookups on them are the hot path.
 """
 
@@ -39,7 +43,8 @@ class PrefixKVCache:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(capacity_blocks))
         self._refs = [0] * capacity_blocks
         self._digest: list[int | None] = [None] * capacity_blocks   # block -> registered digest
-        self._block_of: dict[int, int] = {}                         # digest -> block
+        self._block_of: dict[int, int] = {}                         # digest -> earliest block holding it
+        self._twins: dict[int, list[int]] = {}                      # digest -> later blocks holding it
         self._tables: dict[object, list[int]] = {}                  # request -> its blocks, in order
         self._registered: dict[object, int] = {}                    # request -> leading blocks registered
 
@@ -55,7 +60,7 @@ class PrefixKVCache:
 
     @property
     def cached_blocks(self) -> int:
-        """Registered blocks (resident prefix-cache entries, referenced or not)."""
+        """Resident prefix-cache entries: distinct registered digests, referenced or not (twins once)."""
         return len(self._block_of)
 
     def blocks_held(self, request) -> int:
@@ -104,38 +109,62 @@ class PrefixKVCache:
             return True
         if need > len(self._free):
             return False
-        free, refs, digest_of, block_of = self._free, self._refs, self._digest, self._block_of
+        free, refs, digest_of = self._free, self._refs, self._digest
         for _ in range(need):
             block, _ = free.popitem(last=False)
-            digest = digest_of[block]
-            if digest is not None:            # evict the cached content
-                digest_of[block] = None
-                if block_of.get(digest) == block:
-                    del block_of[digest]
+            if digest_of[block] is not None:
+                self._evict(block)
             refs[block] = 1
             table.append(block)
         return True
 
+    def _evict(self, block: int) -> None:
+        """Forget the digest ``block`` holds; a twin holding it too becomes the one hits take."""
+        digest = self._digest[block]
+        self._digest[block] = None
+        twins = self._twins.get(digest)
+        if self._block_of[digest] == block:
+            if twins:
+                self._block_of[digest] = twins.pop(0)
+            else:
+                del self._block_of[digest]
+        else:
+            twins.remove(block)
+        if twins == []:
+            del self._twins[digest]
+
     def register(self, request, digests: list[int], full_blocks: int) -> None:
         """Register ``request``'s first ``full_blocks`` blocks under ``digests`` (as vLLM caches the
-        full blocks of scheduled tokens). A digest already held by another block stays with it."""
+        full blocks of scheduled tokens). A digest another block already holds is held by both
+        (a twin); hits keep taking the earlier one. A block hit, not computed, is left as it is."""
         done = self._registered[request]
         if full_blocks <= done:
             return
         table, digest_of, block_of = self._tables[request], self._digest, self._block_of
         for k in range(done, full_blocks):
-            d = digests[k]
-            if d not in block_of:
-                block = table[k]
+            block, d = table[k], digests[k]
+            if digest_of[block] is not None:      # a shared hit block: registered already
+                continue
+            digest_of[block] = d
+            if d in block_of:
+                self._twins.setdefault(d, []).append(block)
+            else:
                 block_of[d] = block
-                digest_of[block] = d
         self._registered[request] = full_blocks
 
     def release(self, request) -> None:
-        """Drop ``request``'s references, tail first; unreferenced blocks join the free queue's tail."""
-        refs, free = self._refs, self._free
+        """Drop ``request``'s references, tail first; of the unreferenced blocks the registered ones
+        join the free queue's tail and the others its head, the tail block first (module doc)."""
+        refs, free, digest_of = self._refs, self._free, self._digest
+        reuse_first = []
         for block in reversed(self._tables.pop(request)):
             refs[block] -= 1
             if not refs[block]:
-                free[block] = None
+                if digest_of[block] is None:
+                    reuse_first.append(block)
+                else:
+                    free[block] = None
+        for block in reversed(reuse_first):
+            free[block] = None
+            free.move_to_end(block, last=False)
         del self._registered[request]

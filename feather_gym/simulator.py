@@ -50,8 +50,8 @@ Divergences from vLLM 0.32 that remain (effects measured with ``feather sim vali
 * Output blocks are registered when the next block is allocated (vLLM: when they fill), and a
   decoder's blocks are allocated one token late at most; neither affects other requests.
 * Step times are the cost model's: per-step noise and the engine's own overheads beyond its
-  fitted terms are not simulated. So the waiting-time bound, in seconds, trips at the steps the
-  cost model's clock puts it at; live it trips where the machine's speed that day does.
+  fitted terms are not simulated. So what reads the clock (the waiting-time bound, the feature
+  ``oldest_wait_s``) sees the cost model's seconds; live it sees the machine's that day.
 
 Decoding requests are not touched per step: a request decoding since step ``s0`` with ``o0``
 tokens has emitted ``o0 + (k - s0)`` before step ``k``, and its finish and block-boundary
@@ -60,10 +60,11 @@ and a run of decode-only steps with nothing to decide is jumped over in one go (
 
 Invariants (tested): every accepted request finishes exactly once with exactly ``output_len``
 tokens; ``kv.used_blocks <= capacity`` always; the clock never goes back; every prompt token is
-either a cache hit or prefilled. Against the live engine (``tests/test_sim_validate.py``): under
-vLLM's own scheduler every request is first scheduled in the step the simulator schedules it,
-with as many preemptions, and so is it under the Feather rule without its waiting-time bound
-(:attr:`SimResult.first_scheduled_step`).
+either a cache hit or prefilled. Against the live engine (``tests/test_sim_validate.py``): where no
+decision reads the clock (vLLM's own scheduler; the Feather rule, or a ``k = 4`` network blind to
+``oldest_wait_s``, without the waiting-time bound) every request is first scheduled in the step
+the simulator schedules it (:attr:`SimResult.first_scheduled_step`), with as many steps,
+preemptions and prefix-cache hits.
 
 Hybrid models (``EngineConfig.hybrid``): a prefix hit resumes only from the deepest kept
 recurrent state at or below its attention-KV match, and kept states take a reserve of the KV
@@ -569,6 +570,7 @@ class Simulator:
         self.now_s += self._step_time(batch, chunks)
         self.tokens_out += self._decode_count
         self._decode_kv += self._decode_count
+        finishing = []                      # requests this step gives their last token
         for idx, take, _ in chunks:
             if not take:
                 continue
@@ -578,16 +580,20 @@ class Simulator:
                 self._prefilling[idx] = left
                 continue
             del self._prefilling[idx]
-            self._emit_first(idx)
+            if self._emit_first(idx):
+                finishing.append(idx)
         heap, epoch, step = self._finish_heap, self._epoch, self.step
-        finished = False
         while heap and heap[0][0] <= step:
             _, idx, e = heapq.heappop(heap)
             if e == epoch[idx] and self._state[idx] == _RUNNING:
                 self._leave_decode(idx, self._output_len[idx])
-                self._finish(idx)
-                finished = True
-        if not chunks and not finished and not self._stopped and not self._preempted_this_step:
+                finishing.append(idx)
+        if len(finishing) > 1:              # vLLM frees them in its running order (admission order)
+            rank = {idx: i for i, idx in enumerate(self.running)}
+            finishing.sort(key=rank.__getitem__)
+        for idx in finishing:
+            self._finish(idx)
+        if not chunks and not finishing and not self._stopped and not self._preempted_this_step:
             self._fast_forward()
 
     def _fast_forward(self) -> None:
@@ -646,26 +652,34 @@ class Simulator:
         self.prefill_tokens += sum(c[1] for c in chunks)
         return seconds
 
-    def _emit_first(self, idx: int) -> None:
-        """Prefill of ``idx`` completed this step: it emits a token, then decodes or finishes."""
+    def _emit_first(self, idx: int) -> bool:
+        """Prefill of ``idx`` completed this step: it emits a token, then decodes; True when that
+        token was its last (the caller finishes it)."""
         del self._computed[idx]
         self._emitted[idx] += 1
         self.tokens_out += 1
         if math.isnan(self.first_token_s[idx]):
             self.first_token_s[idx] = self.now_s
         if self._emitted[idx] >= self._output_len[idx]:
-            self._finish(idx)
-        else:
-            self._join_decode(idx)
+            return True
+        self._join_decode(idx)
+        return False
 
     def _finish(self, idx: int) -> None:
         self._emitted[idx] = self._output_len[idx]
+        self._register_computed(idx)
         self._release(idx)
         self._state[idx] = _FINISHED
         self.finish_s[idx] = self.now_s
         self._remaining -= 1
         if self.states is not None:
             self.states.finished(idx)
+
+    def _register_computed(self, idx: int) -> None:
+        """Register the blocks of a decoding ``idx`` that its computed KV fills (all but the last
+        emitted token's), as vLLM has by then; before its blocks are freed (finish, preemption)."""
+        full = (self._input_len[idx] + self._emitted[idx] - 1) // self.block_size
+        self.kv.register(idx, self._chain(idx, full), min(full, self.kv.blocks_held(idx)))
 
     def _release(self, idx: int) -> None:
         del self.running[idx]
@@ -769,10 +783,8 @@ class Simulator:
                     self._budget += take
                     break
         else:
-            emitted = self._emitted_at(idx, self.step)
-            self._leave_decode(idx, emitted)
-            full = (self._input_len[idx] + emitted - 1) // self.block_size   # blocks with computed KV
-            self.kv.register(idx, self._chain(idx, full), min(full, self.kv.blocks_held(idx)))
+            self._leave_decode(idx, self._emitted_at(idx, self.step))
+            self._register_computed(idx)
         self._release(idx)
         self._epoch[idx] += 1
         self.num_preemptions += 1

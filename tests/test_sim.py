@@ -47,6 +47,9 @@ def check_pool(kv: PrefixKVCache) -> None:
     assert kv.free_blocks + sum(1 for r in kv._refs if r) == kv.capacity_blocks
     assert all((kv._refs[b] == 0) == (b in kv._free) for b in range(kv.capacity_blocks))
     assert all(kv._digest[b] == d for d, b in kv._block_of.items())
+    assert all(kv._digest[b] == d for d, twins in kv._twins.items() for b in twins)
+    held = sum(d is not None for d in kv._digest)
+    assert held == len(kv._block_of) + sum(map(len, kv._twins.values()))
 
 
 def test_kv_shared_blocks_count_once_and_free_blocks_form_one_lru_queue():
@@ -65,13 +68,37 @@ def test_kv_shared_blocks_count_once_and_free_blocks_form_one_lru_queue():
     kv.release("b")
     assert kv.used_blocks == 0 and kv.cached_blocks == 4
     check_pool(kv)
-    # Allocation takes the free queue's head: the never-used block first, then a's partial
-    # block, then a's block 3, evicting it although b's blocks, freed later, hold no more use.
+    # Allocation takes the free queue's head: a's partial block first (vLLM 0.32 puts a freed
+    # block without a digest at the head), then the never-used block, then a's block 3,
+    # evicting it although b's blocks, freed later, hold no more use.
     kv.admit("c", [])
-    assert kv.allocate("c", 3)
+    assert kv.allocate("c", 3) and kv._tables["c"] == [3, 5, 2]
     assert kv.cached_prefix([1, 2, 3]) == 2 and kv.cached_prefix([1, 2, 4]) == 3
     assert not kv.allocate("c", 7)                          # more than the pool: refused, unchanged
     assert kv.blocks_held("c") == 3
+    check_pool(kv)
+
+
+def test_kv_a_block_computed_twice_holds_its_digest_until_both_copies_are_evicted():
+    """vLLM does not de-duplicate: a prefix computed again (its first copy not yet scheduled when
+    the second was admitted) is cached twice; hits take the first copy, and evicting it leaves
+    the second. Freed registered blocks join the tail, freed plain ones the head."""
+    kv = PrefixKVCache(4)
+    for request in ("a", "b"):
+        kv.admit(request, [])
+        kv.allocate(request, 2)
+        kv.register(request, [7, 8], 1)                     # block 0 of each holds digest 7
+    assert kv.hit_blocks([7], 1) == kv._tables["a"][:1] and kv.cached_blocks == 1
+    check_pool(kv)
+    kv.release("a")
+    kv.release("b")
+    assert list(kv._free) == [3, 1, 0, 2]                   # plain blocks at the head, b's last
+    kv.admit("c", [])
+    kv.allocate("c", 3)                                     # takes 3, 1 and a's copy of 7 (block 0)
+    assert kv.hit_blocks([7], 1) == [2] and kv.cached_blocks == 1
+    check_pool(kv)
+    kv.allocate("c", 4)
+    assert kv.hit_blocks([7], 1) == [] and kv.cached_blocks == 0
     check_pool(kv)
 
 
