@@ -32,13 +32,14 @@ capacity come from the cost model's profile (:class:`EngineConfig`; 128-token bl
 
 KV accounting is vLLM's ``BlockPool`` (:class:`~feather_gym.kv_cache.PrefixKVCache`): one of the
 engine's blocks is its null block, which no request holds
-(:data:`~feather_gym.kv_cache.NULL_BLOCKS`); one LRU free queue of registered and plain blocks;
-a block is registered under its chained digest when the chunk that fills it is *scheduled*
-(vLLM's ``cache_blocks`` in ``allocate_slots``), so a same-prefix request admitted while the
-first is still in chunked prefill hits only the chunks already scheduled. Prompt blocks carry
-the trace's digests (one chain per request serves the CHT and the prefix cache); output blocks
-get digests of their own (:func:`output_block_digest`), which only the same request can hit,
-after a preemption.
+(:data:`~feather_gym.kv_cache.NULL_BLOCKS`); freed blocks join one free queue, cached ones at
+its tail (evicted least recently freed first) and plain ones at its head (reused first), the
+requests finishing in one step freed in the running order; a block is registered under its
+chained digest when the chunk that fills it is *scheduled* (vLLM's ``cache_blocks`` in
+``allocate_slots``), so a same-prefix request admitted while the first is still in chunked
+prefill hits only the chunks already scheduled. Prompt blocks carry the trace's digests (one
+chain per request serves the CHT and the prefix cache); output blocks get digests of their own
+(:func:`output_block_digest`), which only the same request can hit, after a preemption.
 
 Divergences from vLLM 0.32 that remain (effects measured with ``feather sim validate``):
 
