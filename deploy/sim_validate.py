@@ -13,11 +13,11 @@ candidate exactly as deployed (:func:`deploy.scheduler.load_deployable_policy`).
 
 Per policy and figure (engine steps, output tokens/s, mean step time, cached prompt tokens,
 TTFT p50/p99, preemptions): simulated, live, and the relative error ``sim / live - 1``; and
-``same_first_step``, the share of requests (over the live rounds) that the engine first scheduled
-in the same step as the simulator: 1.0 when the simulator reproduces the engine's admissions
-step for step. vLLM's own scheduler (``fcfs``) decides without a clock, so there it depends on
-the engine model alone; the Feather admission's waiting-time bound is in seconds, so on a machine
-slower than its profile it trips at other steps. Targets
+``same_first_step_fraction``, the share of requests (over the live rounds) that the engine first
+scheduled in the same step as the simulator: 1.0 when the simulator reproduces the engine's
+admissions step for step. vLLM's own scheduler (``fcfs``) decides without a clock, so there it
+depends on the engine model alone; the Feather admission's waiting-time bound is in seconds, so
+on a machine whose speed differs from its profile's it trips at other steps. Targets
 (:data:`TARGETS`): throughput and steps within 10%, and the same ranking of the policies by
 throughput on both sides. Beside them, each policy's throughput over the first policy's
 (``ratio_to_first``, over all of its rounds, simulated and live alike): the comparison that does
@@ -141,7 +141,7 @@ def compare_sides(sim: dict[str, dict], live: dict[str, dict]) -> dict:
     met = {figure: all(abs(table[n][figure]["error"]) <= bound for n in table) for figure, bound in TARGETS.items()}
     same_step = {name: same_first_step(sim[name]["first_scheduled_step"],
                                        live[name]["per_round"]["first_scheduled_step"]) for name in sim}
-    return {"policies": table, "same_first_step": same_step,
+    return {"policies": table, "same_first_step_fraction": same_step,
             "ratio_to_first": {name: _cell(sim_ratio[name], live_ratio[name]) for name in sim_ratio},
             "sim_ranking": sim_rank, "live_ranking": live_rank,
             "same_ranking": sim_rank == live_rank, "targets_met": {**met, "ranking": sim_rank == live_rank}}
@@ -150,15 +150,17 @@ def compare_sides(sim: dict[str, dict], live: dict[str, dict]) -> dict:
 def across_seeds(per_seed: dict[str, dict]) -> dict:
     """Over the seeds of one workload: per policy after the first, :func:`~deploy.serve_bench.ratio_stats`
     of its simulated and its live ``ratio_to_first`` (one value per seed); per policy the mean
-    over seeds of its ``same_first_step``; the seeds whose simulated and live rankings agree."""
+    over seeds of its ``same_first_step_fraction``; the seeds whose simulated and live rankings
+    agree."""
     from deploy.serve_bench import ratio_stats
 
     results = list(per_seed.values())
     return {"policies": {name: {side: ratio_stats([r["ratio_to_first"][name][side] for r in results], unit="seed")
                                 for side in ("sim", "live")}
                          for name in results[0]["ratio_to_first"]},
-            "same_first_step": {name: round(sum(r["same_first_step"][name] for r in results) / len(results), 4)
-                                for name in results[0]["same_first_step"]},
+            "same_first_step_fraction": {
+                name: round(sum(r["same_first_step_fraction"][name] for r in results) / len(results), 4)
+                for name in results[0]["same_first_step_fraction"]},
             "seeds_same_ranking": sum(r["same_ranking"] for r in results), "num_seeds": len(results)}
 
 
@@ -234,16 +236,19 @@ def format_report(report: dict) -> str:
                                 f"{_num(cell['live']):>12}{error:>9}")
             rows.append(f"{name:<16}{seed:>5}  ranking sim {result['sim_ranking']} live {result['live_ranking']}; "
                         f"targets met {result['targets_met']}")
-            rows.append(f"{name:<16}{seed:>5}  first scheduled in the simulator's step: " + ", ".join(
-                f"{_label(policy)} {share:.0%}" for policy, share in result["same_first_step"].items()))
+            rows.append(f"{name:<16}{seed:>5}  first scheduled in the simulator's step: " + _shares(result))
         seeds = w["across_seeds"]
         for policy, sides in seeds["policies"].items():
             rows.append(f"{name:<16}{'all':>5}  {_label(policy)} / {report['policies'][0]} over {seeds['num_seeds']} "
                         f"seeds: sim {_stats(sides['sim'])}, live {_stats(sides['live'])}")
         rows.append(f"{name:<16}{'all':>5}  same ranking on {seeds['seeds_same_ranking']}/{seeds['num_seeds']} seeds; "
-                    "first scheduled in the simulator's step: " + ", ".join(
-                        f"{_label(policy)} {share:.0%}" for policy, share in seeds["same_first_step"].items()))
+                    "first scheduled in the simulator's step: " + _shares(seeds))
     return "\n".join(rows)
+
+
+def _shares(result: dict) -> str:
+    """``POLICY NN%, ...`` of ``result``'s ``same_first_step_fraction``."""
+    return ", ".join(f"{_label(policy)} {share:.0%}" for policy, share in result["same_first_step_fraction"].items())
 
 
 def _label(policy: str) -> str:

@@ -38,7 +38,7 @@ def test_sim_validate_reports_every_figure_and_the_engine_agrees_on_steps_and_hi
     assert [small["seeds"][s]["live_order"] for s in "01"] == [[["fcfs", "feather-rule"]], [["feather-rule", "fcfs"]]]
     for result in small["seeds"].values():
         assert set(result["policies"]) == {"fcfs", "feather-rule"}
-        assert result["same_first_step"]["fcfs"] == 1.0      # vLLM's scheduler: the engine model alone
+        assert result["same_first_step_fraction"]["fcfs"] == 1.0     # vLLM's scheduler: the engine model alone
         assert result["requests_lost"] == {"fcfs": 0, "feather-rule": 0}
         for policy, figures in result["policies"].items():
             assert set(figures) == {"steps", "output_tok_s", "step_ms_mean", "cached_prompt_tokens", "ttft_p50_s",
@@ -141,14 +141,15 @@ def test_ratios_to_first_and_across_seeds_share_one_definition_on_both_sides():
 
     faster = compare_sides(sim_side(10.0, 11.0), live_side(5.0, 5.25, [[1, 2, 5], [1, 3, 5]]))   # sim 1.1x, live 1.05x
     slower = compare_sides(sim_side(10.0, 11.0), live_side(5.0, 4.5, [[1, 3, 4]]))               # sim 1.1x, live 0.9x
-    assert faster["same_first_step"] == {"fcfs": 1.0, "feather-rule": round(5 / 6, 4)}
-    assert slower["same_first_step"] == {"fcfs": 1.0, "feather-rule": round(1 / 3, 4)}
+    assert faster["same_first_step_fraction"] == {"fcfs": 1.0, "feather-rule": round(5 / 6, 4)}
+    assert slower["same_first_step_fraction"] == {"fcfs": 1.0, "feather-rule": round(1 / 3, 4)}
     assert faster["ratio_to_first"] == {"feather-rule": {"sim": 1.1, "live": 1.05, "error": round(1.1 / 1.05 - 1, 4)}}
     assert faster["policies"]["fcfs"]["output_tok_s"]["error"] == 1.0       # a machine twice as slow as its profile
     assert faster["same_ranking"] and not slower["same_ranking"]
     summary = across_seeds({"0": faster, "1": slower})
     assert summary["num_seeds"] == 2 and summary["seeds_same_ranking"] == 1
-    assert summary["same_first_step"] == {"fcfs": 1.0, "feather-rule": round((5 / 6 + 1 / 3) / 2, 4)}
+    assert summary["same_first_step_fraction"] == {"fcfs": 1.0,
+                                                   "feather-rule": round((5 / 6 + 1 / 3) / 2, 4)}
     rule = summary["policies"]["feather-rule"]
     assert rule["sim"]["per_seed"] == [1.1, 1.1] and rule["sim"]["sem"] == 0.0
     assert rule["live"]["per_seed"] == [1.05, 0.9] and rule["live"]["mean"] == pytest.approx(0.975)
