@@ -34,7 +34,7 @@ NULL_BLOCKS = 1
 
 
 class PrefixKVCache:
-    """Reference-counted blocks, per-request block tables, one LRU free queue (see module doc)."""
+    """Reference-counted blocks, per-request block tables, one free queue (see module doc)."""
 
     def __init__(self, capacity_blocks: int) -> None:
         if capacity_blocks < 1:

@@ -167,14 +167,14 @@ def _plot(results: dict[str, dict], path: str, *, title: str) -> None:
 def _bench_env(args) -> int:
     import gymnasium as gym
 
-    from feather_gym.costmodel import hardware_profile, load_cost_model
+    from feather_gym.costmodel import hardware_profile
     from feather_gym.envs import ENV_ID
-    from trainer.config import DEFAULT_MIXES
+    from trainer.config import profile_mix
 
     args.profile = args.profile or hardware_profile()
     kv_capacity_tokens = None
     if args.workload is None:   # the generators' own sizes leave a CPU engine no decision to make
-        mix = DEFAULT_MIXES[load_cost_model(args.profile).device]
+        mix = profile_mix(args.profile)
         args.workload, kv_capacity_tokens = mix.workloads[0], mix.kv_capacity_tokens
     env = gym.make(ENV_ID, workloads=[args.workload], profile=args.profile, seed=0,
                    kv_capacity_tokens=kv_capacity_tokens)

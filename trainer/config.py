@@ -58,6 +58,13 @@ DEFAULT_MIXES: dict[str, TrainingMix] = {
 }
 
 
+def profile_mix(profile: str) -> TrainingMix:
+    """The built-in mix for ``profile``'s device (:data:`DEFAULT_MIXES`)."""
+    from feather_gym.costmodel import load_cost_model
+
+    return DEFAULT_MIXES[load_cost_model(profile).device]
+
+
 @dataclass
 class TrainConfig:
     """One training run. Every field can be set in a config file or by a flag of the same name.
@@ -131,10 +138,8 @@ class TrainConfig:
     def resolved(self) -> "TrainConfig":
         """A copy with the hardware default profile, its device's built-in mix (when no workloads
         are given) and the default output folder filled in."""
-        from feather_gym.costmodel import load_cost_model
-
         profile = self.profile or hardware_profile()
-        mix = DEFAULT_MIXES[load_cost_model(profile).device]
+        mix = profile_mix(profile)
         default_mix = self.workloads is None
         return dataclasses.replace(
             self, profile=profile, workloads=mix.workloads if default_mix else self.workloads,
