@@ -325,6 +325,9 @@ def summarise(rounds: list[RoundResult]) -> dict:
         "cached_prompt_tokens": float(np.mean([r.cached_tokens for r in rounds])),
         "scheduled_tokens": float(np.mean([r.meter.scheduled_tokens for r in rounds])),
         "preemptions": float(np.mean([r.meter.preemptions for r in rounds])),
+        # the Feather policy's answers (None: vLLM's scheduler, which asks no policy)
+        "decisions": (float(np.mean([r.scheduler_stats["decisions"] for r in rounds]))
+                      if "decisions" in rounds[-1].scheduler_stats else None),
         "ttft_p50_s": _percentile(ttft, 50),
         "ttft_p99_s": _percentile(ttft, 99),
         "requests_finished": sum(r.finished for r in rounds),

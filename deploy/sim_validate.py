@@ -12,7 +12,8 @@ Policies: ``fcfs`` is vLLM's own ``Scheduler``; every other one (``feather-rule`
 candidate exactly as deployed (:func:`deploy.scheduler.load_deployable_policy`).
 
 Per policy and figure (engine steps, output tokens/s, mean step time, cached prompt tokens,
-TTFT p50/p99, preemptions): simulated, live, and the relative error ``sim / live - 1``; and
+TTFT p50/p99, preemptions, and a Feather policy's decisions: the simulator asks it at the
+points the deployed scheduler does): simulated, live, and the relative error ``sim / live - 1``; and
 ``same_first_step_fraction``, the share of requests (over the live rounds) that the engine first
 scheduled in the same step as the simulator: 1.0 when the simulator reproduces the engine's
 admissions step for step. vLLM's own scheduler (``fcfs``) decides without a clock, so there it
@@ -45,7 +46,7 @@ logger = logging.getLogger(__name__)
 
 #: Figures compared, as keys of both sides' reports.
 FIGURES = ("steps", "output_tok_s", "step_ms_mean", "cached_prompt_tokens", "ttft_p50_s", "ttft_p99_s",
-           "preemptions")
+           "preemptions", "decisions")
 #: Largest |sim / live - 1| accepted per figure.
 TARGETS = {"output_tok_s": 0.10, "steps": 0.10}
 DEFAULT_POLICIES = ("fcfs", "feather-rule")
@@ -78,8 +79,9 @@ def simulated_engine(llm, *, max_wait_s: float):
 
 
 def simulated(trace, cost_model, engine_config, policy_name: str) -> dict:
-    """The simulator's :data:`FIGURES` for ``policy_name`` on ``trace``, its decisions, and the
-    step that first scheduled each request (trace order)."""
+    """The simulator's :data:`FIGURES` for ``policy_name`` on ``trace`` (``decisions``: the
+    policy's answers; None for ``fcfs``, as vLLM's scheduler asks none), and the step that first
+    scheduled each request (trace order)."""
     from feather_gym.policies import make_policy
     from feather_gym.simulator import simulate
 
@@ -89,7 +91,7 @@ def simulated(trace, cost_model, engine_config, policy_name: str) -> dict:
     return {"steps": metrics["steps"], "output_tok_s": metrics["throughput_tok_s"],
             "step_ms_mean": metrics["step_ms_mean"], "cached_prompt_tokens": metrics["cached_prompt_tokens"],
             "ttft_p50_s": metrics["ttft_p50_s"], "ttft_p99_s": metrics["ttft_p99_s"],
-            "preemptions": metrics["preemptions"], "decisions": metrics["decisions"],
+            "preemptions": metrics["preemptions"], "decisions": None if policy_name == "fcfs" else metrics["decisions"],
             "first_scheduled_step": result.first_scheduled_step.tolist()}
 
 

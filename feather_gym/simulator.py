@@ -18,12 +18,13 @@ capacity come from the cost model's profile (:class:`EngineConfig`; 128-token bl
    otherwise the policy chooses STOP or one of up to ``num_candidates`` candidates of the
    ordering (:meth:`~feather_gym.orderings.WaitingOrder.candidates`, its own candidate in slot
    0; ADD/STOP when ``num_candidates`` is 1), an empty slot counting as STOP
-   (:func:`~feather_gym.observation.chosen_slot`). Slot 0 passes the checks below before the
-   policy is asked; a later slot is checked once chosen. Each admission first
-   passes vLLM's checks, in vLLM's order: token budget left, fewer than ``max_num_seqs``
-   running, and the whole current sequence fits the free blocks (hits included,
-   ``scheduler_reserve_full_isl``); a failed check ends admission for the step. An admitted
-   request gets its prefix hits and the blocks of its first chunk only.
+   (:func:`~feather_gym.observation.chosen_slot`). Each admission passes vLLM's checks, in
+   vLLM's order: token budget left, fewer than ``max_num_seqs`` running, and the whole current
+   sequence fits the free blocks (hits included, ``scheduler_reserve_full_isl``); a failed check
+   ends admission for the step. As deployed, the policy is asked after the first two checks
+   and before the KV check, which the candidate it chooses then takes (so a policy may pick a
+   smaller candidate when slot 0 does not fit). An admitted request gets its prefix hits and
+   the blocks of its first chunk only.
 4. The step takes ``CostModel.step_s(decode batch, first prefill chunk)`` plus, for every
    further prefill chunk, its ``prefill_s`` less the per-step fixed cost (the cost model's
    prefill terms are per request). Every decoding request emits a token; a request whose
@@ -45,9 +46,6 @@ Divergences from vLLM 0.32 that remain (effects measured with ``feather sim vali
 
 * vLLM walks running requests in admission order, so a long prefill chunk can use up the
   budget before later decoders; here decoders always take their token first.
-* The deployed scheduler asks the policy before vLLM's ``max_num_seqs`` and KV checks, and
-  only ADD is then refused; here the policy is asked only when the candidate would be admitted
-  (an answer in that case changes nothing but the decision count and the rule's refusal count).
 * Output blocks are registered when the next block is allocated (vLLM: when they fill), and a
   decoder's blocks are allocated one token late at most; neither affects other requests.
 * Step times are the cost model's: per-step noise and the engine's own overheads beyond its
@@ -307,7 +305,7 @@ class Simulator:
         self._admitting = False
         self._preempted_this_step = False
         self._stopped = False               # the policy said STOP in this step
-        self._pending: tuple[list[int], list[int]] | None = None  # (candidates, slot 0's prefix-hit blocks)
+        self._pending: list[int] | None = None  # the candidates of the open decision
 
         self.tokens_out = 0
         self.admission_waits: list[float] = []
@@ -380,16 +378,14 @@ class Simulator:
 
     def apply(self, action: int) -> None:
         """STOP (0) ends admission for this step; ``i >= 1`` admits candidate slot ``i - 1`` (ADD
-        for ``num_candidates`` 1). An empty slot is STOP, and so is a later slot that fails vLLM's
-        checks (as a failed check ends vLLM's admission); an action outside ``0..k`` raises."""
+        for ``num_candidates`` 1). An empty slot is STOP, and so is a chosen candidate that fails
+        vLLM's KV check (as a failed check ends vLLM's admission); an action outside ``0..k`` raises."""
         if self._pending is None:
             raise RuntimeError("apply() without a pending admission point")
-        candidates, hits = self._pending
-        slot = chosen_slot(action, len(candidates), self.num_candidates)
-        self._pending = None
-        if slot:
-            hits = self._fitting_hits(candidates[slot])
-        if slot is None or hits is None:
+        slot = chosen_slot(action, len(self._pending), self.num_candidates)
+        candidates, self._pending = self._pending, None
+        hits = None if slot is None else self._fitting_hits(candidates[slot])
+        if hits is None:
             self._admitting = False
             self._stopped = True
         else:
@@ -498,16 +494,17 @@ class Simulator:
                 overdue = self.now_s - self._arrivals[oldest] >= self.config.max_wait_s
                 idx = oldest if overdue else self.order.peek()
                 asked = not overdue and bool(self.running)
+            if asked:
+                if len(self.running) >= self.config.max_num_seqs:
+                    break
+                candidates = [idx] if self.num_candidates == 1 else self.order.candidates(self.num_candidates)
+                self._pending = candidates
+                return AdmissionPoint(self, candidates)
             hits = self._fitting_hits(idx)
             if hits is None:
                 break
-            if not asked:
-                self.num_forced_wait += int(overdue)
-                self._admit(idx, hits)
-                continue
-            candidates = [idx] if self.num_candidates == 1 else self.order.candidates(self.num_candidates)
-            self._pending = (candidates, hits)
-            return AdmissionPoint(self, candidates)
+            self.num_forced_wait += int(overdue)
+            self._admit(idx, hits)
         self._admitting = False
         return None
 

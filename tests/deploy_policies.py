@@ -57,6 +57,18 @@ def constant_policy(path: Path, action: int) -> Path:
     return export(layer, path)
 
 
+def last_slot_policy(path: Path, k: int) -> Path:
+    """Admits candidate slot ``k - 1`` when it is filled, else slot 0; never STOPs (``k >= 2``).
+    It reads only the last slot's validity mask (the observation's last entry), so no clock."""
+    layer = torch.nn.Linear(observation_size(k), k + 1)
+    with torch.no_grad():
+        layer.weight.zero_()
+        layer.weight[k, -1] = 10.0
+        layer.bias.fill_(-5.0)
+        layer.bias[1] = 0.0                 # ADD slot 0 (0) beats STOP and the rest (-5), the filled last slot (5) beats it
+    return export(layer, path, k)
+
+
 def nan_policy(source: Path, path: Path) -> Path:
     """``source`` (a constant policy) with its bias set to NaN: every decision yields NaN logits."""
     model = onnx.load(source)

@@ -281,6 +281,31 @@ def test_a_request_refused_for_kv_is_admitted_in_the_step_after_a_finish_frees_i
     assert result.first_scheduled_step[2] == 40 + 1          # the blocker's prefill emits 1 token, 39 decode steps
 
 
+def test_the_policy_is_asked_before_the_kv_check_and_another_slot_may_fit(h200):
+    """As deployed, the policy chooses before vLLM's KV check: with slot 0 too big for the free
+    blocks, a policy that picks slot 1 admits it in the same step; ADD on slot 0 ends admission.
+    Slots 0 and 1 miss as many of the running set's chunks (two), so the CHT ranks the earlier
+    arrival first, but slot 0's partial last block needs a third block where two are free."""
+    bs = 16
+    running = request(0, 0.0, tokens(1, 4 * bs), 40)
+    too_big = request(1, 1e-4, tokens(2, 2 * bs + 8), 4)
+    fits = request(2, 2e-4, tokens(3, 2 * bs), 4)
+    config = EngineConfig(block_size=bs, kv_capacity_tokens=8 * bs)    # 7 blocks beside the null block
+
+    def run(action):
+        sim = Simulator(Trace("t", [running, too_big, fits]), h200, CHTOrder(), config=config, num_candidates=2)
+        point = sim.next_admission()
+        assert (sim.step, point.candidates, sim.kv.free_blocks) == (2, (1, 2), 2)
+        sim.apply(action)
+        admitted = [idx for idx in (1, 2) if sim.first_scheduled_step[idx] == 2]
+        sim.next_admission()
+        return admitted, sim.step
+
+    assert run(2) == ([2], 2)            # slot 1 fits: admitted; the same step then asks about slot 0 alone
+    assert run(ADD) == ([], 3)           # slot 0 does not fit: admission ends for the step
+    assert run(STOP) == ([], 3)
+
+
 def test_generated_blocks_are_hashed_and_stay_cached_after_the_request(h200):
     prompt = tokens(8, 2 * BS + 10)
     sim = Simulator(Trace("t", [request(0, 0.0, prompt, 3 * BS)]), h200, CHTOrder(), config=engine())

@@ -42,10 +42,12 @@ def test_sim_validate_reports_every_figure_and_the_engine_agrees_on_steps_and_hi
         assert result["requests_lost"] == {"fcfs": 0, "feather-rule": 0}
         for policy, figures in result["policies"].items():
             assert set(figures) == {"steps", "output_tok_s", "step_ms_mean", "cached_prompt_tokens", "ttft_p50_s",
-                                    "ttft_p99_s", "preemptions"}
+                                    "ttft_p99_s", "preemptions", "decisions"}
             assert abs(figures["steps"]["error"]) <= 0.10, (policy, figures["steps"])
             assert abs(figures["cached_prompt_tokens"]["error"]) <= 0.10, (policy, figures["cached_prompt_tokens"])
             assert figures["cached_prompt_tokens"]["live"] > 0
+        assert result["policies"]["fcfs"]["decisions"] == {"sim": None, "live": None, "error": None}
+        assert result["policies"]["feather-rule"]["decisions"]["live"] > 0
         ratio = result["ratio_to_first"]["feather-rule"]
         live = {p: figures["output_tok_s"]["live"] for p, figures in result["policies"].items()}
         assert ratio["live"] == pytest.approx(live["feather-rule"] / live["fcfs"], abs=1e-4)
@@ -99,28 +101,57 @@ SCHEDULE_PARITY_CASES = {
 }
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("case", list(SCHEDULE_PARITY_CASES))
-def test_the_simulator_schedules_every_request_in_the_engines_step(bench_engine, clockless_k4_policy, case):
+def assert_same_schedule(engine, policy: str, trace, online: bool) -> dict:
     """Each request is first scheduled in the same engine step live and simulated, with as many
-    steps, preemptions and prompt tokens served from the prefix cache."""
+    steps, preemptions and prompt tokens served from the prefix cache, and (a Feather policy) as
+    many decisions: the policy is asked at the same points. Returns the simulated side."""
     from deploy.serve_bench import run_round
     from deploy.sim_validate import as_served, live_sides, simulated, simulated_engine
     from feather_gym.costmodel import load_cost_model
-    from traces import resolve_workload
 
-    policy, spec, seed, online = SCHEDULE_PARITY_CASES[case]
-    policy = clockless_k4_policy if policy == "clockless-k4" else policy
     unbounded = 1e9
-    trace = resolve_workload(spec, seed=seed)
     cls, kwargs = live_sides([policy], max_wait_s=unbounded)[policy]
-    live = run_round(bench_engine, trace, cls, label=policy, round_index=0, online=online, **kwargs)
+    live = run_round(engine, trace, cls, label=policy, round_index=0, online=online, **kwargs)
     sim = simulated(as_served(trace, online=online, time_scale=1.0), load_cost_model("vllm-cpu"),
-                    simulated_engine(bench_engine, max_wait_s=unbounded), policy)
+                    simulated_engine(engine, max_wait_s=unbounded), policy)
     assert live.lost == 0
     assert sim["first_scheduled_step"] == live.first_scheduled_step.tolist()
     assert (sim["steps"], sim["preemptions"], sim["cached_prompt_tokens"]) == \
         (live.meter.steps, live.meter.preemptions, live.cached_tokens)
+    if policy != "fcfs":
+        assert sim["decisions"] == live.scheduler_stats["decisions"]
+    return sim
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(SCHEDULE_PARITY_CASES))
+def test_the_simulator_schedules_every_request_in_the_engines_step(bench_engine, clockless_k4_policy, case):
+    from traces import resolve_workload
+
+    policy, spec, seed, online = SCHEDULE_PARITY_CASES[case]
+    policy = clockless_k4_policy if policy == "clockless-k4" else policy
+    assert_same_schedule(bench_engine, policy, resolve_workload(spec, seed=seed), online)
+
+
+@pytest.mark.slow
+def test_a_policy_may_admit_another_slot_when_slot_0_does_not_fit_as_deployed(bench_engine, tmp_path):
+    """The deployed scheduler asks the policy before vLLM's KV check. After the first request's
+    4,000-token prefill (32 of the 44 blocks), two requests wait that miss as many blocks (12),
+    but slot 0's partial last block needs a 13th of the 12 free; a policy that prefers slot 1
+    admits it in step 2. The simulator once asked only when slot 0 fitted (step 91 here)."""
+    import numpy as np
+
+    from deploy_policies import last_slot_policy
+    from traces import Request, Trace
+
+    def request(i, arrival_s, prompt_tokens, output_tokens):
+        prompt = np.random.default_rng(i).integers(300, 30_000, size=prompt_tokens, dtype=np.int64)
+        return Request(str(i), arrival_s, prompt_tokens, output_tokens, token_ids=prompt)
+
+    trace = Trace("slot-0-too-big", [request(0, 0.0, 4000, 90), request(1, 0.05, 12 * 128 + 8, 8),
+                                     request(2, 0.06, 12 * 128, 8)])    # both arrive during step 1
+    sim = assert_same_schedule(bench_engine, str(last_slot_policy(tmp_path / "last-slot.onnx", 2)), trace, True)
+    assert sim["first_scheduled_step"] == [1, 91, 2]
 
 
 def test_ratios_to_first_and_across_seeds_share_one_definition_on_both_sides():

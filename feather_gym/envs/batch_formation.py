@@ -97,9 +97,10 @@ class BatchFormationEnv(gym.Env):
     | i <= k  | ADD_i         | admit candidate slot i - 1 (another prefix group)                 |
 
     Invalid actions: choosing an empty slot (``i - 1 >=`` the number of candidates offered, which
-    the observation's mask shows) is STOP; the env never raises for an action of its space. A
-    slot other than 0 that fails the engine's checks once chosen (KV, ``max_num_seqs``) also
-    ends admission for the step, as a failed check does in vLLM.
+    the observation's mask shows) is STOP; the env never raises for an action of its space. The
+    agent is asked before vLLM's KV check, as the deployed scheduler is: a chosen candidate
+    whose sequence does not fit the free KV blocks ends admission for the step, as a failed
+    check does in vLLM (so ADD on a slot 0 that does not fit is STOP, and another slot may fit).
 
     ## Observation Space
     ``Box(0, OBS_CLIP, (observation_size(k),), float32)``, ``observation_size(k) = 9 k + k - 1``
