@@ -23,10 +23,7 @@ def register(commands) -> None:
                             + "; ".join(f"{k}={v}" for k, v in DEFAULT_WORKLOADS.items()))
     bench.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS,
                        help=f"timed rounds per scheduler (default {DEFAULT_ROUNDS})")
-    bench.add_argument("--online", action="store_true",
-                       help="submit each request at its trace arrival time (default: all at the round's start)")
-    bench.add_argument("--time-scale", type=float, default=1.0,
-                       help="--online: multiply the trace's arrival times by this (default 1)")
+    add_submission_arguments(bench)
     bench.add_argument("--kv-cache-gib", type=float, default=None,
                        help="KV-cache size in GiB (default $VLLM_CPU_KVCACHE_SPACE, else "
                             f"{DEFAULT_BENCH_KV_CACHE_GIB:g}: the default prefix-heavy workload then evicts)")
@@ -61,6 +58,7 @@ def register(commands) -> None:
                       help=f"fine-tuning time budget in seconds (default {DEFAULT_FINE_TUNE_S:g})")
     loop.add_argument("--profile", default=None, help="base cost-model profile to refit (default: this machine's)")
     loop.add_argument("--kv-cache-gib", type=float, default=None, help="KV-cache size in GiB (default 0.25)")
+    add_submission_arguments(loop)
     loop.add_argument("--seed", type=int, default=0)
     loop.add_argument("--json", action="store_true", help="print the report as one JSON object (last line)")
     loop.set_defaults(func=online_loop_command)
@@ -86,8 +84,7 @@ def register(commands) -> None:
     hybrid.add_argument("--anchor-share", type=float, default=DEFAULT_ANCHOR_SHARE,
                         help=f"dp-replay: share of the budget for anchors (default {DEFAULT_ANCHOR_SHARE})")
     hybrid.add_argument("--kv-cache-gib", type=float, default=None, help="KV-cache size in GiB (default 0.5)")
-    hybrid.add_argument("--offline", action="store_true", help="submit all requests at the round's start")
-    hybrid.add_argument("--time-scale", type=float, default=1.0, help="multiply arrival times by this")
+    add_submission_arguments(hybrid)
     hybrid.add_argument("--synthetic", action="store_true", help="keep synthetic tokens (default: real text)")
     hybrid.add_argument("--seed", type=int, default=0)
     hybrid.add_argument("--json", action="store_true", help="print the report as one JSON object (last line)")
@@ -100,6 +97,23 @@ def register(commands) -> None:
     policy.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     policy.add_argument("--json", action="store_true", help="print one JSON object (last line)")
     policy.set_defaults(func=bench_policy_command)
+
+
+def add_submission_arguments(parser) -> None:
+    """The live benches' submission flags (one definition, :data:`deploy.serve_bench.DEFAULT_ONLINE`):
+    ``--all-at-once`` and ``--time-scale``; :func:`submission` reads them back."""
+    parser.add_argument("--all-at-once", action="store_true",
+                        help="submit every request before the first step (default: each at its trace arrival "
+                             "time, the regime feather-train trains in)")
+    parser.add_argument("--time-scale", type=float, default=1.0,
+                        help="multiply the trace's arrival times by this (default 1; not with --all-at-once)")
+
+
+def submission(args) -> dict:
+    """``online`` and ``time_scale`` keyword arguments from :func:`add_submission_arguments`' flags."""
+    if args.all_at_once and args.time_scale != 1.0:
+        raise ValueError("--time-scale scales arrival times, which --all-at-once does not use: give one of them")
+    return {"online": not args.all_at_once, "time_scale": args.time_scale}
 
 
 def parse_workloads(specs: list[str] | None) -> dict[str, str] | None:
@@ -129,8 +143,8 @@ def serve_bench_command(args) -> int:
 
     report = serve_bench(args.policy, workloads=parse_workloads(args.workload), dtype=args.dtype,
                          rounds=args.rounds, max_wait_s=args.max_wait_s, max_input_tokens=args.max_input_tokens,
-                         max_output_tokens=args.max_output_tokens, online=args.online, time_scale=args.time_scale,
-                         kv_cache_gib=args.kv_cache_gib, seed=args.seed)
+                         max_output_tokens=args.max_output_tokens, kv_cache_gib=args.kv_cache_gib, seed=args.seed,
+                         **submission(args))
     return print_report(format_serve_report(report), report, as_json=args.json)
 
 
@@ -139,7 +153,7 @@ def online_loop_command(args) -> int:
 
     report = online_loop(args.run, output=args.output, workloads=parse_workloads(args.workload), rounds=args.rounds,
                          collect_rounds=args.collect_rounds, fine_tune_s=args.fine_tune_s, base_profile=args.profile,
-                         kv_cache_gib=args.kv_cache_gib, seed=args.seed)
+                         kv_cache_gib=args.kv_cache_gib, seed=args.seed, **submission(args))
     return print_report(format_loop_report(report), report, as_json=args.json)
 
 
@@ -148,10 +162,9 @@ def hybrid_bench_command(args) -> int:
 
     report = hybrid_bench(model=args.model, workloads=parse_workloads(args.workload), rounds=args.rounds,
                           state_budget_mib=args.state_budget_mib, checkpoints=args.checkpoints,
-                          resolve_every=args.resolve_every, kv_cache_gib=args.kv_cache_gib, online=not args.offline,
-                          time_scale=args.time_scale, text=not args.synthetic, seed=args.seed,
+                          resolve_every=args.resolve_every, kv_cache_gib=args.kv_cache_gib, text=not args.synthetic, seed=args.seed,
                           sides=tuple(s for s in args.sides.split(",") if s), replay_tokens=args.replay_tokens,
-                          anchor_share=args.anchor_share)
+                          anchor_share=args.anchor_share, **submission(args))
     return print_report(format_hybrid_report(report), report, as_json=args.json)
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 
-from deploy.serve_bench import ideal_cached_tokens, kv_capacity, run_schedulers
+from deploy.serve_bench import DEFAULT_ONLINE, ideal_cached_tokens, kv_capacity, run_schedulers
 from feather_gym.vllm_engine import resolve_kv_cache_gib, start_engine
 
 #: Engine-sized branching workloads (token counts for a 2-core CPU engine; see the module docstring).
@@ -104,7 +104,7 @@ def add_recompute(result: dict) -> dict:
 
 def hybrid_bench(*, model: str = "trained", workloads: dict[str, str] | None = None, rounds: int = DEFAULT_ROUNDS,
                  state_budget_mib: float = DEFAULT_STATE_BUDGET_MIB, checkpoints: int = 8, resolve_every: int = 1,
-                 kv_cache_gib: float | None = None, online: bool = True, time_scale: float = 1.0,
+                 kv_cache_gib: float | None = None, online: bool = DEFAULT_ONLINE, time_scale: float = 1.0,
                  text: bool = True, seed: int = 0, sides: tuple[str, ...] = SIDES,
                  replay_tokens: int = DEFAULT_REPLAY_TOKENS, anchor_share: float = DEFAULT_ANCHOR_SHARE) -> dict:
     """The whole report: one engine on the hybrid model, :func:`run_schedulers` per workload."""

@@ -29,8 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
-from deploy.serve_bench import (DEFAULT_BENCH_KV_CACHE_GIB, DEFAULT_WORKLOADS, kv_capacity, ratio_stats,
-                                run_round, run_schedulers)
+from deploy.serve_bench import (DEFAULT_BENCH_KV_CACHE_GIB, DEFAULT_ONLINE, DEFAULT_WORKLOADS, kv_capacity,
+                                ratio_stats, run_round, run_schedulers)
 from feather_gym.vllm_engine import resolve_kv_cache_gib, start_engine
 
 DEFAULT_ROUNDS = 3
@@ -59,8 +59,10 @@ def decisions_changed(before: str, after: str, steps) -> float | None:
 
 def online_loop(run: str, *, output: str, workloads: dict[str, str] | None = None, rounds: int = DEFAULT_ROUNDS,
                 collect_rounds: int = 1, fine_tune_s: float = DEFAULT_FINE_TUNE_S, base_profile: str | None = None,
-                kv_cache_gib: float | None = None, seed: int = 0) -> dict:
-    """The whole report (see the module docstring)."""
+                kv_cache_gib: float | None = None, seed: int = 0, online: bool = DEFAULT_ONLINE,
+                time_scale: float = 1.0) -> dict:
+    """The whole report (see the module docstring); every round submits as ``online`` and
+    ``time_scale`` say (:func:`deploy.serve_bench.submission_offsets`)."""
     from vllm.v1.core.sched.scheduler import Scheduler
 
     from deploy.scheduler import FeatherConfig, FeatherScheduler, load_deployable_policy
@@ -88,7 +90,7 @@ def online_loop(run: str, *, output: str, workloads: dict[str, str] | None = Non
     for i in range(collect_rounds):
         for name, trace in traces.items():
             run_round(llm, trace, FeatherScheduler, label=f"collect {name}", round_index=-1 - i,
-                      feather_config=collecting)
+                      online=online, time_scale=time_scale, feather_config=collecting)
     steps, skipped = read_step_logs(sorted(out.glob("steps.jsonl*")))
     base = load_profile(profile_path(base_profile or hardware_profile()))
     refit, refit_report = refit_profile(base, steps)
@@ -100,12 +102,13 @@ def online_loop(run: str, *, output: str, workloads: dict[str, str] | None = Non
              "before": (FeatherScheduler, {"feather_config": FeatherConfig(policy=before)}),
              "after": (FeatherScheduler, {"feather_config": FeatherConfig(policy=after)})}
     report = {"run": str(run_dir), "policy_before": before, "policy_after": after, "rounds": rounds,
+              "online": online, "time_scale": time_scale,
               "kv_cache_gib": kv_cache_gib, **kv_capacity(llm), "logged_steps": len(steps),
               "unreadable_log_lines": skipped, "refit_profile": str(refit_path),
               "refit": {k: v for k, v in refit_report.items() if k != "coefficients_after"},
               "decisions_changed": decisions_changed(before, after, steps), "workloads": {}}
     for name, trace in traces.items():
-        result = run_schedulers(llm, trace, sides, rounds=rounds)
+        result = run_schedulers(llm, trace, sides, rounds=rounds, online=online, time_scale=time_scale)
         per_round = {label: np.array(side["per_round"]["output_tok_s"]) for label, side in result["sides"].items()}
         report["workloads"][name] = {
             "spec": workloads[name], **result,

@@ -10,10 +10,10 @@ empty prefix cache. :func:`run_schedulers` runs one untimed warm-up round per si
 ``rounds`` timed rounds per side, rotating the order each round (A B C, B C A, C A B, ...) so
 drift of this shared, noisy machine hits every side alike.
 
-Arrivals: all requests are submitted at the round's start (default), or ``online``: each
-request is submitted once the wall time since the round's start reaches its trace
-``arrival_s`` times ``time_scale``, the engine stepping in between and sleeping when idle
-until the next arrival. TTFT is the time from a request's submission to the end of the engine
+Arrivals (:data:`DEFAULT_ONLINE`): ``online`` (the default), each request is submitted once the
+wall time since the round's start reaches its trace ``arrival_s`` (from the first arrival) times
+``time_scale``, the engine stepping in between and sleeping when idle until the next arrival;
+otherwise every request is submitted at the round's start, before the first step. TTFT is the time from a request's submission to the end of the engine
 step that returned its first output token.
 
 Every request is greedy with ``ignore_eos`` and the trace's output length, so all schedulers
@@ -43,12 +43,16 @@ from traces.workload import ENGINE_SIZED_WORKLOADS
 logger = logging.getLogger(__name__)
 
 #: Default workloads: :data:`traces.workload.ENGINE_SIZED_WORKLOADS`, the CPU engine's workloads
-#: (also the CPU training mix). prefix-sharing: 4 groups share a 3-block prefix (block size 128 on
+#: (also the first three of the CPU training mix, the same specs). prefix-sharing: 4 groups share a 3-block prefix (block size 128 on
 #: CPU), all of it fits in the KV cache; no-sharing: unique prompts with Azure-conversation lengths
 #: capped at 512/48 tokens; prefix-heavy: 16 groups of 4-block prefixes, 64 blocks where the
 #: cache holds 45, so a scheduler that interleaves groups evicts shared prefixes and computes them
 #: again (the issue's "tens of groups of 1.5K-token prefixes with 1 GiB", scaled down to fit the time).
 DEFAULT_WORKLOADS = ENGINE_SIZED_WORKLOADS
+#: The live benches' default submission regime: each request at its trace arrival time, the
+#: regime feather-train trains and holds out in (the CPU mix arrives at 1,000/s, so the first
+#: step starts with the first request alone). False: every request before the first step.
+DEFAULT_ONLINE = True
 #: KV-cache size of the bench (GiB) when neither ``kv_cache_gib`` nor ``$VLLM_CPU_KVCACHE_SPACE`` sets one:
 #: 45 blocks of 128 tokens for SmolLM2-135M in float32.
 DEFAULT_BENCH_KV_CACHE_GIB = 0.25
@@ -207,8 +211,8 @@ class RoundResult:
 def submission_offsets(trace, *, online: bool, time_scale: float) -> np.ndarray:
     """Seconds after the round's start at which each request is submitted (trace order).
 
-    All zero unless ``online``; online, the trace's arrival times (from its first arrival)
-    times ``time_scale``.
+    Online, the trace's arrival times (from its first arrival) times ``time_scale``; otherwise
+    all zero.
     """
     if not time_scale >= 0:
         raise ValueError(f"time_scale must be >= 0, got {time_scale}")
@@ -216,7 +220,7 @@ def submission_offsets(trace, *, online: bool, time_scale: float) -> np.ndarray:
     return (arrivals - arrivals[0]) * time_scale if online and len(arrivals) else np.zeros(len(arrivals))
 
 
-def run_round(llm, trace, scheduler_cls, *, label: str, round_index: int, online: bool = False,
+def run_round(llm, trace, scheduler_cls, *, label: str, round_index: int, online: bool = DEFAULT_ONLINE,
               time_scale: float = 1.0, timeout_s: float = DEFAULT_ROUND_TIMEOUT_S, **scheduler_kwargs) -> RoundResult:
     """Serve every request of ``trace`` with a fresh ``scheduler_cls`` (see the module docstring).
 
@@ -354,7 +358,7 @@ def rotated(labels: list[str], round_index: int) -> list[str]:
     return labels[shift:] + labels[:shift]
 
 
-def run_schedulers(llm, trace, sides: dict[str, tuple[type, dict]], *, rounds: int, online: bool = False,
+def run_schedulers(llm, trace, sides: dict[str, tuple[type, dict]], *, rounds: int, online: bool = DEFAULT_ONLINE,
                    time_scale: float = 1.0, timeout_s: float = DEFAULT_ROUND_TIMEOUT_S, warm_up: bool = True,
                    rotation: int = 0) -> dict:
     """Every side ``{label: (scheduler_cls, constructor kwargs)}`` on ``trace``, ``rounds`` times each.
@@ -406,7 +410,7 @@ def run_schedulers(llm, trace, sides: dict[str, tuple[type, dict]], *, rounds: i
     }
 
 
-def compare(llm, trace, *, feather_kwargs: dict, rounds: int = DEFAULT_ROUNDS, online: bool = False,
+def compare(llm, trace, *, feather_kwargs: dict, rounds: int = DEFAULT_ROUNDS, online: bool = DEFAULT_ONLINE,
             time_scale: float = 1.0) -> dict:
     """:func:`run_schedulers` with vLLM's ``Scheduler`` ("default") and ``FeatherScheduler`` ("feather")."""
     from vllm.v1.core.sched.scheduler import Scheduler
@@ -419,7 +423,7 @@ def compare(llm, trace, *, feather_kwargs: dict, rounds: int = DEFAULT_ROUNDS, o
 
 def serve_bench(policy: str, *, workloads: dict[str, str] | None = None, dtype: str = "float32",
                 rounds: int = DEFAULT_ROUNDS, max_wait_s: float | None = None, max_input_tokens: int | None = None,
-                max_output_tokens: int | None = None, online: bool = False, time_scale: float = 1.0,
+                max_output_tokens: int | None = None, online: bool = DEFAULT_ONLINE, time_scale: float = 1.0,
                 kv_cache_gib: float | None = None, seed: int = 0) -> dict:
     """The whole ``feather serve bench`` report: one engine, one :func:`compare` per workload."""
     from feather_gym.policies import DEFAULT_MAX_WAIT_S

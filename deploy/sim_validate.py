@@ -5,7 +5,7 @@ times from the cost model of ``profile``) and on the live in-process vLLM engine
 (:func:`deploy.serve_bench.run_schedulers`, rounds alternated). The simulator is configured as
 the engine it is checked against: the engine's KV block size, token budget, ``max_num_seqs``
 and KV capacity (read from the started engine), the admission's ``max_wait_s``, and the same
-regime (every request at once, or online at the trace's arrival times x ``time_scale``).
+regime (online at the trace's arrival times x ``time_scale``, the default, or every request at once).
 
 Policies: ``fcfs`` is vLLM's own ``Scheduler``; every other one (``feather-rule``, a trained
 ``*.onnx``) runs in :class:`deploy.scheduler.FeatherScheduler`, in the simulator on the CHT's
@@ -40,6 +40,7 @@ import json
 import logging
 import time
 
+from deploy.serve_bench import DEFAULT_ONLINE
 from traces.workload import ENGINE_SIZED_WORKLOADS
 
 logger = logging.getLogger(__name__)
@@ -167,7 +168,7 @@ def across_seeds(per_seed: dict[str, dict]) -> dict:
 
 
 def validate(workloads: dict[str, str], *, policies=DEFAULT_POLICIES, profile: str | None = None,
-             rounds: int = 3, online: bool = False, time_scale: float = 1.0, kv_cache_gib: float | None = None,
+             rounds: int = 3, online: bool = DEFAULT_ONLINE, time_scale: float = 1.0, kv_cache_gib: float | None = None,
              max_wait_s: float | None = None, max_input_tokens: int | None = None,
              max_output_tokens: int | None = None, seed: int = 0, num_seeds: int = 1) -> dict:
     """The whole report: one engine, and per workload and seed the simulator and the engine on every policy."""
@@ -268,6 +269,8 @@ def _num(value) -> str:
 
 def register(commands) -> None:
     """Add ``sim validate`` to the ``feather`` command tree."""
+    from deploy.cli import add_submission_arguments
+
     parser = commands.group("sim", help="simulate serving policies").add_parser(
         "validate", help="the simulator against the live vLLM engine, same workload and policies",
         description=__doc__.splitlines()[0])
@@ -277,8 +280,7 @@ def register(commands) -> None:
                         help="comma-separated: fcfs (vLLM's scheduler), feather-rule, *.onnx (default %(default)s)")
     parser.add_argument("--profile", default=None, help="cost-model profile (default: this hardware's)")
     parser.add_argument("--rounds", type=int, default=3, help="live rounds per policy (default 3)")
-    parser.add_argument("--online", action="store_true", help="submit requests at their trace times")
-    parser.add_argument("--time-scale", type=float, default=1.0, help="online: scale the trace's arrival times")
+    add_submission_arguments(parser)
     parser.add_argument("--kv-cache-gib", type=float, default=None,
                         help="KV cache (GiB; default $VLLM_CPU_KVCACHE_SPACE, else the bench's 0.25)")
     parser.add_argument("--max-wait-s", type=float, default=None, help="the admission's waiting-time bound (default 10)")
@@ -292,11 +294,11 @@ def register(commands) -> None:
 
 
 def _command(args) -> int:
-    from deploy.cli import parse_workloads
+    from deploy.cli import parse_workloads, submission
 
     report = validate(parse_workloads(args.workload) or DEFAULT_WORKLOADS,
                       policies=[p for p in args.policies.split(",") if p], profile=args.profile,
-                      rounds=args.rounds, online=args.online, time_scale=args.time_scale,
+                      rounds=args.rounds, **submission(args),
                       kv_cache_gib=args.kv_cache_gib, max_wait_s=args.max_wait_s,
                       max_input_tokens=args.max_input_tokens, max_output_tokens=args.max_output_tokens,
                       seed=args.seed, num_seeds=args.seeds)

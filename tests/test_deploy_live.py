@@ -100,14 +100,14 @@ def default_round(llm, trace):
 
     from deploy.serve_bench import run_round
 
-    return run_round(llm, trace, Scheduler, label="default", round_index=0)
+    return run_round(llm, trace, Scheduler, label="default", round_index=0, online=False)
 
 
 def feather_round(llm, trace, round_index, **config):
     from deploy.scheduler import FeatherConfig, FeatherScheduler
     from deploy.serve_bench import run_round
 
-    return run_round(llm, trace, FeatherScheduler, label="feather", round_index=round_index,
+    return run_round(llm, trace, FeatherScheduler, label="feather", round_index=round_index, online=False,
                      feather_config=FeatherConfig(**config))
 
 
@@ -166,7 +166,7 @@ def test_async_scheduler_variant_serves_identically_under_synchronous_stepping(l
     from deploy.scheduler import FeatherAsyncScheduler, FeatherConfig
     from deploy.serve_bench import run_round
 
-    result = run_round(llm, trace, FeatherAsyncScheduler, label="feather-async", round_index=5,
+    result = run_round(llm, trace, FeatherAsyncScheduler, label="feather-async", round_index=5, online=False,
                        feather_config=FeatherConfig(policy=str(files["add"])))
     assert result.outputs == default_round.outputs
     assert result.scheduler_stats["admission"] == "PolicyAdmission" and result.scheduler_stats["fallbacks"] == 0
@@ -234,10 +234,10 @@ def test_round_time_limit_aborts_and_counts_lost_requests(llm, trace, default_ro
 
     from deploy.serve_bench import run_round
 
-    cut = run_round(llm, trace, Scheduler, label="cut", round_index=8, timeout_s=1e-9)
+    cut = run_round(llm, trace, Scheduler, label="cut", round_index=8, online=False, timeout_s=1e-9)
     assert cut.lost == len(trace) and cut.finished == 0 and cut.outputs == {}
     assert not llm.llm_engine.has_unfinished_requests()                            # the engine is idle again
-    again = run_round(llm, trace, Scheduler, label="again", round_index=9)
+    again = run_round(llm, trace, Scheduler, label="again", round_index=9, online=False)
     assert again.lost == 0 and again.outputs == default_round.outputs
 
 
@@ -251,7 +251,7 @@ def test_run_schedulers_compares_any_number_of_sides(llm, trace, files):
     sides = {"fcfs": (Scheduler, {}),
              "add": (FeatherScheduler, {"feather_config": FeatherConfig(policy=str(files["add"]))}),
              "untrained": (FeatherScheduler, {"feather_config": FeatherConfig(policy=str(files["untrained"]))})}
-    result = run_schedulers(llm, trace, sides, rounds=2)
+    result = run_schedulers(llm, trace, sides, rounds=2, online=False)
     assert result["order"] == [["fcfs", "add", "untrained"], ["add", "untrained", "fcfs"]]
     assert result["reference"] == "fcfs" and set(result["ratios"]) == {"add", "untrained"}
     assert result["identical_outputs"] == len(trace)

@@ -35,7 +35,8 @@ def test_one_cycle_reports_the_refit_and_the_policy_before_and_after(tmp_path, m
 
     monkeypatch.setattr(online_loop, "fine_tune", copy_policy)
     report = online_loop.online_loop(str(run), output=str(tmp_path / "loop"), workloads={"prefix": WORKLOAD},
-                                     rounds=1, collect_rounds=2, fine_tune_s=5, kv_cache_gib=0.25)
+                                     rounds=1, collect_rounds=2, fine_tune_s=5, kv_cache_gib=0.25,
+                                     online=False)
     assert tuned and report["policy_after"] == str(tuned[0])
     assert report["logged_steps"] > 0 and report["refit"]["held_out_steps"] >= 5
     assert 0 < report["refit"]["mape_after"] < 1 and 0 < report["refit"]["mape_before"]

@@ -44,7 +44,7 @@ def feather_round(llm, trace, round_index, **config):
     from deploy.scheduler import FeatherConfig, FeatherScheduler
     from deploy.serve_bench import run_round
 
-    result = run_round(llm, trace, FeatherScheduler, label="feather", round_index=round_index,
+    result = run_round(llm, trace, FeatherScheduler, label="feather", round_index=round_index, online=False,
                        feather_config=FeatherConfig(**config))
     return result, llm.llm_engine.engine_core.engine_core.scheduler
 
@@ -79,7 +79,7 @@ def test_async_variant_pairs_each_update_with_its_schedule(llm, trace, files):
     from deploy.scheduler import FeatherAsyncScheduler, FeatherConfig
     from deploy.serve_bench import run_round
 
-    result = run_round(llm, trace, FeatherAsyncScheduler, label="async", round_index=3,
+    result = run_round(llm, trace, FeatherAsyncScheduler, label="async", round_index=3, online=False,
                        feather_config=FeatherConfig(policy=str(files["add"])))
     ring = llm.llm_engine.engine_core.engine_core.scheduler.step_log.recent()
     assert result.lost == 0 and len(ring) == result.meter.steps

@@ -194,3 +194,31 @@ def test_sim_validate_refuses_a_policy_it_cannot_deploy_before_starting_an_engin
     assert "cannot run in the Feather scheduler" in capsys.readouterr().err
     assert main(["sim", "validate", "--workload", WORKLOAD, "--seeds", "0"]) == 2
     assert "num_seeds must be >= 1" in capsys.readouterr().err
+
+
+def test_the_live_benches_serve_the_training_mix_in_the_regime_it_trains_in():
+    """One definition of the submission regime: the live benches' default workloads are specs of
+    feather-train's CPU mix, and every bench submits them at their arrival times by default, the
+    arrival times the training env and the simulated side of ``sim validate`` use."""
+    import numpy as np
+
+    from deploy.cli import submission
+    from deploy.serve_bench import DEFAULT_ONLINE, DEFAULT_WORKLOADS
+    from deploy.sim_validate import as_served
+    from feather_gym.cli import build_parser
+    from traces import resolve_workload
+    from trainer.config import DEFAULT_MIXES
+
+    assert set(DEFAULT_WORKLOADS.values()) <= set(DEFAULT_MIXES["cpu"].workloads)
+    parser = build_parser()
+    for argv in (["serve", "bench", "--policy", "feather-rule"], ["serve", "loop", "--run", "r", "--output", "o"],
+                 ["serve", "hybrid-bench"], ["sim", "validate"]):
+        assert submission(parser.parse_args(argv)) == {"online": DEFAULT_ONLINE, "time_scale": 1.0} == \
+            {"online": True, "time_scale": 1.0}
+        assert submission(parser.parse_args([*argv, "--all-at-once"]))["online"] is False
+        with pytest.raises(ValueError, match="--time-scale"):
+            submission(parser.parse_args([*argv, "--all-at-once", "--time-scale", "2"]))
+    trace = resolve_workload(DEFAULT_WORKLOADS["prefix-heavy"], seed=0)
+    arrivals = np.array([r.arrival_s for r in trace])
+    served = np.array([r.arrival_s for r in as_served(trace, online=DEFAULT_ONLINE, time_scale=1.0)])
+    assert np.allclose(served, arrivals - arrivals[0]) and 0.0 < served[-1] < 0.1     # 64 requests within ~0.1 s

