@@ -162,7 +162,8 @@ def hybrid_bench_command(args) -> int:
 
     report = hybrid_bench(model=args.model, workloads=parse_workloads(args.workload), rounds=args.rounds,
                           state_budget_mib=args.state_budget_mib, checkpoints=args.checkpoints,
-                          resolve_every=args.resolve_every, kv_cache_gib=args.kv_cache_gib, text=not args.synthetic, seed=args.seed,
+                          resolve_every=args.resolve_every, kv_cache_gib=args.kv_cache_gib, text=not args.synthetic,
+                          seed=args.seed,
                           sides=tuple(s for s in args.sides.split(",") if s), replay_tokens=args.replay_tokens,
                           anchor_share=args.anchor_share, **submission(args))
     return print_report(format_hybrid_report(report), report, as_json=args.json)

@@ -13,8 +13,9 @@ drift of this shared, noisy machine hits every side alike.
 Arrivals (:data:`DEFAULT_ONLINE`): ``online`` (the default), each request is submitted once the
 wall time since the round's start reaches its trace ``arrival_s`` (from the first arrival) times
 ``time_scale``, the engine stepping in between and sleeping when idle until the next arrival;
-otherwise every request is submitted at the round's start, before the first step. TTFT is the time from a request's submission to the end of the engine
-step that returned its first output token.
+otherwise every request is submitted at the round's start, before the first step. TTFT is the
+time from a request's submission to the end of the engine step that returned its first output
+token.
 
 Every request is greedy with ``ignore_eos`` and the trace's output length, so all schedulers
 produce the same number of tokens, and in float32 the same tokens: ``identical_outputs``
@@ -43,11 +44,11 @@ from traces.workload import ENGINE_SIZED_WORKLOADS
 logger = logging.getLogger(__name__)
 
 #: Default workloads: :data:`traces.workload.ENGINE_SIZED_WORKLOADS`, the CPU engine's workloads
-#: (also the first three of the CPU training mix, the same specs). prefix-sharing: 4 groups share a 3-block prefix (block size 128 on
-#: CPU), all of it fits in the KV cache; no-sharing: unique prompts with Azure-conversation lengths
-#: capped at 512/48 tokens; prefix-heavy: 16 groups of 4-block prefixes, 64 blocks where the
-#: cache holds 45, so a scheduler that interleaves groups evicts shared prefixes and computes them
-#: again (the issue's "tens of groups of 1.5K-token prefixes with 1 GiB", scaled down to fit the time).
+#: (also the first three of the CPU training mix, the same specs). prefix-sharing: 4 groups share
+#: a 3-block prefix (block size 128 on CPU), all of it fits in the KV cache; no-sharing: unique
+#: prompts with Azure-conversation lengths capped at 512/48 tokens; prefix-heavy: 16 groups of
+#: 4-block prefixes, 64 blocks where the cache holds 45, so a scheduler that interleaves groups
+#: evicts shared prefixes and computes them again (the issue's "tens of groups of 1.5K-token prefixes with 1 GiB", scaled down to fit the time).
 DEFAULT_WORKLOADS = ENGINE_SIZED_WORKLOADS
 #: The live benches' default submission regime: each request at its trace arrival time, the
 #: regime feather-train trains and holds out in (the CPU mix arrives at 1,000/s, so the first

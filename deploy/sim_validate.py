@@ -13,7 +13,8 @@ candidate exactly as deployed (:func:`deploy.scheduler.load_deployable_policy`).
 
 Per policy and figure (engine steps, output tokens/s, mean step time, cached prompt tokens,
 TTFT p50/p99, preemptions, and a Feather policy's decisions: the simulator asks it at the
-points the deployed scheduler does): simulated, live, and the relative error ``sim / live - 1``; and
+points the deployed scheduler does): simulated, live, and the relative error
+``sim / live - 1``; and
 ``same_first_step_fraction``, the share of requests (over the live rounds) that the engine first
 scheduled in the same step as the simulator: 1.0 when the simulator reproduces the engine's
 admissions step for step. vLLM's own scheduler (``fcfs``) decides without a clock, so there it
@@ -92,7 +93,8 @@ def simulated(trace, cost_model, engine_config, policy_name: str) -> dict:
     return {"steps": metrics["steps"], "output_tok_s": metrics["throughput_tok_s"],
             "step_ms_mean": metrics["step_ms_mean"], "cached_prompt_tokens": metrics["cached_prompt_tokens"],
             "ttft_p50_s": metrics["ttft_p50_s"], "ttft_p99_s": metrics["ttft_p99_s"],
-            "preemptions": metrics["preemptions"], "decisions": None if policy_name == "fcfs" else metrics["decisions"],
+            "preemptions": metrics["preemptions"],
+            "decisions": None if policy_name == "fcfs" else metrics["decisions"],
             "first_scheduled_step": result.first_scheduled_step.tolist()}
 
 
@@ -168,7 +170,8 @@ def across_seeds(per_seed: dict[str, dict]) -> dict:
 
 
 def validate(workloads: dict[str, str], *, policies=DEFAULT_POLICIES, profile: str | None = None,
-             rounds: int = 3, online: bool = DEFAULT_ONLINE, time_scale: float = 1.0, kv_cache_gib: float | None = None,
+             rounds: int = 3, online: bool = DEFAULT_ONLINE, time_scale: float = 1.0,
+             kv_cache_gib: float | None = None,
              max_wait_s: float | None = None, max_input_tokens: int | None = None,
              max_output_tokens: int | None = None, seed: int = 0, num_seeds: int = 1) -> dict:
     """The whole report: one engine, and per workload and seed the simulator and the engine on every policy."""
