@@ -48,7 +48,8 @@ logger = logging.getLogger(__name__)
 #: a 3-block prefix (block size 128 on CPU), all of it fits in the KV cache; no-sharing: unique
 #: prompts with Azure-conversation lengths capped at 512/48 tokens; prefix-heavy: 16 groups of
 #: 4-block prefixes, 64 blocks where the cache holds 45, so a scheduler that interleaves groups
-#: evicts shared prefixes and computes them again (the issue's "tens of groups of 1.5K-token prefixes with 1 GiB", scaled down to fit the time).
+#: evicts shared prefixes and computes them again (the issue's "tens of groups of 1.5K-token
+#: prefixes with 1 GiB", scaled down to fit the time).
 DEFAULT_WORKLOADS = ENGINE_SIZED_WORKLOADS
 #: The live benches' default submission regime: each request at its trace arrival time, the
 #: regime feather-train trains and holds out in (the CPU mix arrives at 1,000/s, so the first

