@@ -19,8 +19,9 @@ order, are the simulator's (:mod:`feather_gym.simulator`, step 3):
 
 1. A resumed request (preempted/skipped by vLLM, admitted before) is taken first, without a
    decision, as vLLM does.
-2. No starvation: when the FCFS head has waited ``max_wait_s`` or more, it is admitted
-   (this overrides both the CHT order and a STOP).
+2. No starvation: when the FCFS head has waited ``max_wait_steps`` engine steps or more
+   (:meth:`~deploy.waiting_queue.CHTWaitingQueue.wait_steps`), it is admitted (this overrides
+   both the CHT order and a STOP). Steps, not seconds: nothing here reads a clock.
 3. A full batch (``max_num_seqs`` running) ends admission without a decision, as vLLM's next
    check would.
 4. No idling: with nothing running, the best candidate is admitted (a STOP would leave the
@@ -41,7 +42,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from feather_gym.observation import DEFAULT_NUM_CANDIDATES, DecisionPoint
-from feather_gym.policies import DEFAULT_MAX_WAIT_S
+from feather_gym.policies import DEFAULT_MAX_WAIT_STEPS, check_max_wait_steps
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ class AdmissionStats:
     adds: int = 0               # ... and answered ADD
     stops: int = 0              # ... and answered STOP
     forced_resumed: int = 0     # rule 1
-    forced_wait: int = 0        # rule 2 (waiting-time bound overrode the policy)
+    forced_wait: int = 0        # rule 2: the waiting-time bound chose (a request failing vLLM's KV check counts again next step)
     forced_idle: int = 0        # rule 4
     fallbacks: int = 0          # rule 5: the policy call raised
     fcfs_admissions: int = 0    # admissions decided FCFS after a fallback in the same step
@@ -91,35 +92,28 @@ class PolicyAdmission(Admission):
 
     ``policy`` is a deployable :class:`feather_gym.policies.Policy`. ``num_running`` and
     ``kv_usage`` read the scheduler live (requests running including those admitted this step;
-    fraction of KV blocks in use); ``max_num_seqs`` is the scheduler's running limit. ``clock``
-    is the clock of vLLM's ``request.arrival_time`` (wall time). ``resumable(request,
+    fraction of KV blocks in use); ``max_num_seqs`` is the scheduler's running limit. ``resumable(request,
     shared_blocks)`` says how many of a waiting request's first ``shared_blocks`` blocks a hit
     can resume (a hybrid engine's deepest kept state); ``None``, a dense engine: all of them.
     """
 
     def __init__(self, policy, *, num_running: Callable[[], int], kv_usage: Callable[[], float],
-                 max_num_seqs: int, max_wait_s: float = DEFAULT_MAX_WAIT_S,
-                 clock: Callable[[], float] = time.time,
+                 max_num_seqs: int, max_wait_steps: int = DEFAULT_MAX_WAIT_STEPS,
                  resumable: Callable[[object, int], int] | None = None) -> None:
-        if not max_wait_s >= 0:
-            raise ValueError(f"max_wait_s must be >= 0, got {max_wait_s}")
         self.policy = policy
-        self.max_wait_s = float(max_wait_s)
+        self.max_wait_steps = check_max_wait_steps(max_wait_steps)
         self.max_num_seqs = max_num_seqs
         self.stats = AdmissionStats()
         self._num_running = num_running
         self._kv_usage = kv_usage
-        self._clock = clock
         self._resumable = resumable
         self._fcfs_this_step = False
-        self._step = 0
         self._queue = None
         #: When a list (the scheduler's step log is on): ``[observation, action]`` of each policy answer.
         self.decision_log: list | None = None
 
     def begin_step(self) -> None:
         self._fcfs_this_step = False
-        self._step += 1
 
     def describe(self) -> dict:
         return {**super().describe(), "policy": getattr(self.policy, "name", type(self.policy).__name__),
@@ -139,8 +133,9 @@ class PolicyAdmission(Admission):
         return self._kv_usage()
 
     @property
-    def oldest_wait_s(self) -> float:
-        return self._clock() - self._queue.front().arrival_time
+    def oldest_wait_steps(self) -> int:
+        # After rule 1 the FCFS head is the earliest-arrived waiting request (resumed ones lead).
+        return self._queue.wait_steps(self._queue.front())
 
     def context_tokens(self, request_id) -> int:
         return self._queue.waiting_request(request_id).num_tokens
@@ -157,7 +152,7 @@ class PolicyAdmission(Admission):
         if queue.is_resumed(head):
             self.stats.forced_resumed += 1
             return head
-        if self.oldest_wait_s >= self.max_wait_s:
+        if self.oldest_wait_steps >= self.max_wait_steps:
             self.stats.forced_wait += 1
             return head
         if self._fcfs_this_step:
@@ -172,7 +167,7 @@ class PolicyAdmission(Admission):
             self.stats.forced_idle += 1
             return candidates[0]
         start = time.perf_counter_ns()
-        point = DecisionPoint(self, [c.request_id for c in candidates], self._step, k)
+        point = DecisionPoint(self, [c.request_id for c in candidates], queue.step, k)
         point.raw_rows   # built outside the guard below: a bug here raises rather than falling back
         try:
             action = self.policy.decide(point)

@@ -11,6 +11,7 @@ import json
 def register(commands) -> None:
     """Add ``serve bench`` and ``bench policy`` to the ``feather`` command tree."""
     from deploy.serve_bench import DEFAULT_BENCH_KV_CACHE_GIB, DEFAULT_ROUNDS, DEFAULT_WORKLOADS
+    from feather_gym.policies import DEFAULT_MAX_WAIT_STEPS
 
     serve = commands.group("serve", help="serve with the Feather scheduler inside vLLM")
     bench = serve.add_parser(
@@ -31,7 +32,8 @@ def register(commands) -> None:
                        help="model dtype (default float32: outputs must be token-identical)")
     bench.add_argument("--max-input-tokens", type=int, default=None, help="cut prompts to this many tokens")
     bench.add_argument("--max-output-tokens", type=int, default=None, help="cut outputs to this many tokens")
-    bench.add_argument("--max-wait-s", type=float, default=None, help="Feather waiting-time bound (default 10)")
+    bench.add_argument("--max-wait-steps", type=int, default=None,
+                       help=f"Feather waiting-time bound in engine steps (default {DEFAULT_MAX_WAIT_STEPS})")
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--json", action="store_true", help="print the report as one JSON object (last line)")
     bench.set_defaults(func=serve_bench_command)
@@ -142,7 +144,7 @@ def serve_bench_command(args) -> int:
     from deploy.serve_bench import serve_bench
 
     report = serve_bench(args.policy, workloads=parse_workloads(args.workload), dtype=args.dtype,
-                         rounds=args.rounds, max_wait_s=args.max_wait_s, max_input_tokens=args.max_input_tokens,
+                         rounds=args.rounds, max_wait_steps=args.max_wait_steps, max_input_tokens=args.max_input_tokens,
                          max_output_tokens=args.max_output_tokens, kv_cache_gib=args.kv_cache_gib, seed=args.seed,
                          **submission(args))
     return print_report(format_serve_report(report), report, as_json=args.json)

@@ -75,7 +75,7 @@ def bench_policy(policy_path: str, *, iterations: int = 20_000, waiting: int = 2
         queue.peek_request()
         queue.pop_request()
     admission = PolicyAdmission(deployed, num_running=lambda: running, kv_usage=lambda: 0.5,
-                                max_num_seqs=waiting, max_wait_s=1e9)
+                                max_num_seqs=waiting, max_wait_steps=10**9)
     report |= _percentiles_us(_time_calls(admission.next_admission, [queue] * (iterations + warmup), warmup),
                               "decision")
     report |= {"waiting": waiting - running, "running": running,

@@ -22,7 +22,8 @@ Configuration (``additional_config["feather"]``, keys of :class:`FeatherConfig`)
 (an ONNX file, or ``"feather-rule"``; default the ``FEATHER_POLICY`` environment variable),
 ``on_policy_error`` (``"refuse"``, the default: a missing/corrupt/incompatible policy stops the
 engine from starting; ``"fcfs"``:
-warn and schedule FCFS), ``max_wait_s`` (waiting-time bound, default 10 s) and ``device``
+warn and schedule FCFS), ``max_wait_steps`` (waiting-time bound in engine steps, default
+:data:`~feather_gym.policies.DEFAULT_MAX_WAIT_STEPS`) and ``device``
 (``"cpu"`` default, or ``"cuda"``).
 
 The online loop: every step that computes something is logged (:mod:`deploy.step_log`: the
@@ -56,7 +57,7 @@ from deploy.plugin_config import config_section  # noqa: E402
 from deploy.policy_reload import PolicyReloader  # noqa: E402
 from deploy.step_log import StepLog, step_composition  # noqa: E402
 from feather_gym.costmodel.refit import LiveStep  # noqa: E402
-from feather_gym.policies import DEFAULT_MAX_WAIT_S  # noqa: E402
+from feather_gym.policies import DEFAULT_MAX_WAIT_STEPS, check_max_wait_steps  # noqa: E402
 from deploy.waiting_queue import CHTWaitingQueue  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -78,7 +79,7 @@ class FeatherConfig:
 
     policy: str | None = None
     on_policy_error: str = "refuse"
-    max_wait_s: float = DEFAULT_MAX_WAIT_S
+    max_wait_steps: int = DEFAULT_MAX_WAIT_STEPS
     device: str = "cpu"
     step_log: str | None = None
     step_log_max_bytes: int = 64 * 2**20
@@ -89,6 +90,7 @@ class FeatherConfig:
     def __post_init__(self) -> None:
         if self.on_policy_error not in ON_POLICY_ERROR:
             raise ValueError(f"feather.on_policy_error must be one of {ON_POLICY_ERROR}, got {self.on_policy_error!r}")
+        check_max_wait_steps(self.max_wait_steps)
 
     def make_step_log(self) -> StepLog:
         return StepLog(ring_steps=self.step_log_ring, path=self.step_log, max_bytes=self.step_log_max_bytes,
@@ -152,7 +154,7 @@ def build_admission(config: FeatherConfig, *, num_running: Callable[[], int], kv
         logger.info("Feather policy %s loaded (%s, trained on %s / %s)", config.policy, runtime.provider,
                     runtime.metadata.get("feather.profile"), runtime.metadata.get("feather.workload"))
     return PolicyAdmission(policy, num_running=num_running, kv_usage=kv_usage, max_num_seqs=max_num_seqs,
-                           max_wait_s=config.max_wait_s, resumable=resumable)
+                           max_wait_steps=config.max_wait_steps, resumable=resumable)
 
 
 class FeatherSchedulingMixin:

@@ -313,6 +313,11 @@ def _percentile(values: np.ndarray, q: float) -> float | None:
     return round(float(np.percentile(values, q)), 4) if len(values) else None
 
 
+def _mean_stat(rounds, name: str) -> float | None:
+    """The mean over ``rounds`` of the Feather scheduler's counter ``name`` (None for vLLM's own)."""
+    return float(np.mean([r.scheduler_stats[name] for r in rounds])) if name in rounds[-1].scheduler_stats else None
+
+
 def summarise(rounds: list[RoundResult]) -> dict:
     """Figures of one side's rounds: rates over the summed wall time, means per round, TTFT
     percentiles over every request of every round, request counts summed over the rounds."""
@@ -332,8 +337,9 @@ def summarise(rounds: list[RoundResult]) -> dict:
         "scheduled_tokens": float(np.mean([r.meter.scheduled_tokens for r in rounds])),
         "preemptions": float(np.mean([r.meter.preemptions for r in rounds])),
         # the Feather policy's answers (None: vLLM's scheduler, which asks no policy)
-        "decisions": (float(np.mean([r.scheduler_stats["decisions"] for r in rounds]))
-                      if "decisions" in rounds[-1].scheduler_stats else None),
+        "decisions": _mean_stat(rounds, "decisions"),
+        # ... and the admissions its waiting-time bound forced
+        "forced_wait_admissions": _mean_stat(rounds, "forced_wait"),
         "ttft_p50_s": _percentile(ttft, 50),
         "ttft_p99_s": _percentile(ttft, 99),
         "requests_finished": sum(r.finished for r in rounds),
@@ -424,11 +430,11 @@ def compare(llm, trace, *, feather_kwargs: dict, rounds: int = DEFAULT_ROUNDS, o
 
 
 def serve_bench(policy: str, *, workloads: dict[str, str] | None = None, dtype: str = "float32",
-                rounds: int = DEFAULT_ROUNDS, max_wait_s: float | None = None, max_input_tokens: int | None = None,
+                rounds: int = DEFAULT_ROUNDS, max_wait_steps: int | None = None, max_input_tokens: int | None = None,
                 max_output_tokens: int | None = None, online: bool = DEFAULT_ONLINE, time_scale: float = 1.0,
                 kv_cache_gib: float | None = None, seed: int = 0) -> dict:
     """The whole ``feather serve bench`` report: one engine, one :func:`compare` per workload."""
-    from feather_gym.policies import DEFAULT_MAX_WAIT_S
+    from feather_gym.policies import DEFAULT_MAX_WAIT_STEPS
     from deploy.scheduler import FeatherConfig, load_deployable_policy
     from traces import resolve_workload
 
@@ -439,11 +445,12 @@ def serve_bench(policy: str, *, workloads: dict[str, str] | None = None, dtype: 
     traces = {name: clip_lengths(resolve_workload(spec, seed=seed), max_input_tokens=max_input_tokens,
                                  max_output_tokens=max_output_tokens) for name, spec in workloads.items()}
     longest = max(r.input_len + r.output_len for t in traces.values() for r in t)
-    config = FeatherConfig(policy=policy, max_wait_s=DEFAULT_MAX_WAIT_S if max_wait_s is None else max_wait_s)
+    config = FeatherConfig(policy=policy,
+                           max_wait_steps=DEFAULT_MAX_WAIT_STEPS if max_wait_steps is None else max_wait_steps)
     llm = start_engine(dtype=dtype, max_model_len=max(2048, longest), seed=seed, kv_cache_gib=kv_cache_gib)
     capacity = kv_capacity(llm)
     report = {"model": "SmolLM2-135M-Instruct", "dtype": dtype, "policy": policy, "rounds": rounds,
-              "online": online, "time_scale": time_scale, "max_wait_s": config.max_wait_s,
+              "online": online, "time_scale": time_scale, "max_wait_steps": config.max_wait_steps,
               "max_input_tokens": max_input_tokens, "max_output_tokens": max_output_tokens,
               "kv_cache_gib": kv_cache_gib, **capacity, "workloads": {}}
     for name, trace in traces.items():

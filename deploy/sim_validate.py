@@ -4,7 +4,7 @@ Each policy serves the workload twice: in the simulator (:mod:`feather_gym.simul
 times from the cost model of ``profile``) and on the live in-process vLLM engine
 (:func:`deploy.serve_bench.run_schedulers`, rounds alternated). The simulator is configured as
 the engine it is checked against: the engine's KV block size, token budget, ``max_num_seqs``
-and KV capacity (read from the started engine), the admission's ``max_wait_s``, and the same
+and KV capacity (read from the started engine), the admission's ``max_wait_steps``, and the same
 regime (online at the trace's arrival times x ``time_scale``, the default, or every request at once).
 
 Policies: ``fcfs`` is vLLM's own ``Scheduler``; every other one (``feather-rule``, a trained
@@ -12,16 +12,16 @@ Policies: ``fcfs`` is vLLM's own ``Scheduler``; every other one (``feather-rule`
 candidate exactly as deployed (:func:`deploy.scheduler.load_deployable_policy`).
 
 Per policy and figure (engine steps, output tokens/s, mean step time, cached prompt tokens,
-TTFT p50/p99, preemptions, and a Feather policy's decisions: the simulator asks it at the
-points the deployed scheduler does): simulated, live, and the relative error
+TTFT p50/p99, preemptions, and a Feather policy's decisions and waiting-time-bound admissions:
+the simulator asks it at the points the deployed scheduler does): simulated, live, and the relative error
 ``sim / live - 1``; and
 ``same_first_step_fraction``, the share of requests (over the live rounds) that the engine first
 scheduled in the same step as the simulator: 1.0 when the simulator reproduces the engine's
-admissions step for step. vLLM's own scheduler (``fcfs``) decides without a clock, so there it
-depends on the engine model alone, as long as no arrival falls near a step boundary (the
-benches' workloads arrive within ~0.1 s, during the first step; arrivals spread over many steps
-land in the step the machine's speed puts them in); the Feather admission's waiting-time bound
-is in seconds, so on a machine whose speed differs from its profile's it trips at other steps.
+admissions step for step. No admission reads a clock (the Feather admission's waiting-time bound
+and its ``oldest_wait_steps`` feature count engine steps), so it depends on the engine model
+alone, as long as no arrival falls near a step boundary (the benches' workloads arrive within
+~0.1 s, during the first step; arrivals spread over many steps land in the step the machine's
+speed puts them in).
 Targets (:data:`TARGETS`): throughput and steps within 10%, and the same ranking of the policies by
 throughput on both sides. Beside them, each policy's throughput over the first policy's
 (``ratio_to_first``, over all of its rounds, simulated and live alike): the comparison that does
@@ -44,13 +44,14 @@ import logging
 import time
 
 from deploy.serve_bench import DEFAULT_ONLINE
+from feather_gym.policies import DEFAULT_MAX_WAIT_STEPS
 from traces.workload import ENGINE_SIZED_WORKLOADS
 
 logger = logging.getLogger(__name__)
 
 #: Figures compared, as keys of both sides' reports.
 FIGURES = ("steps", "output_tok_s", "step_ms_mean", "cached_prompt_tokens", "ttft_p50_s", "ttft_p99_s",
-           "preemptions", "decisions")
+           "preemptions", "decisions", "forced_wait_admissions")
 #: Largest |sim / live - 1| accepted per figure.
 TARGETS = {"output_tok_s": 0.10, "steps": 0.10}
 DEFAULT_POLICIES = ("fcfs", "feather-rule")
@@ -69,7 +70,7 @@ def as_served(trace, *, online: bool, time_scale: float):
     return traces.Trace(trace.name, requests, trace.source, trace.block_size)
 
 
-def simulated_engine(llm, *, max_wait_s: float):
+def simulated_engine(llm, *, max_wait_steps: int):
     """The simulator's :class:`~feather_gym.simulator.EngineConfig` of the started engine ``llm``:
     its token budget, ``max_num_seqs``, KV block size and KV capacity, and the admission's bound."""
     from deploy.serve_bench import kv_capacity
@@ -79,7 +80,7 @@ def simulated_engine(llm, *, max_wait_s: float):
     scheduler_config = llm.llm_engine.vllm_config.scheduler_config
     return EngineConfig(token_budget=scheduler_config.max_num_batched_tokens,
                         max_num_seqs=scheduler_config.max_num_seqs, block_size=capacity["kv_block_size_tokens"],
-                        kv_capacity_tokens=capacity["kv_capacity_tokens"], max_wait_s=max_wait_s)
+                        kv_capacity_tokens=capacity["kv_capacity_tokens"], max_wait_steps=max_wait_steps)
 
 
 def simulated(trace, cost_model, engine_config, policy_name: str) -> dict:
@@ -97,6 +98,7 @@ def simulated(trace, cost_model, engine_config, policy_name: str) -> dict:
             "ttft_p50_s": metrics["ttft_p50_s"], "ttft_p99_s": metrics["ttft_p99_s"],
             "preemptions": metrics["preemptions"],
             "decisions": None if policy_name == "fcfs" else metrics["decisions"],
+            "forced_wait_admissions": None if policy_name == "fcfs" else metrics["forced_wait_admissions"],
             "first_scheduled_step": result.first_scheduled_step.tolist()}
 
 
@@ -106,14 +108,14 @@ def _deployable(name: str):
     return load_deployable_policy(name)
 
 
-def live_sides(policies, *, max_wait_s: float) -> dict:
+def live_sides(policies, *, max_wait_steps: int) -> dict:
     """``run_schedulers`` sides: vLLM's ``Scheduler`` for ``fcfs``, ``FeatherScheduler`` for the rest."""
     from vllm.v1.core.sched.scheduler import Scheduler
 
     from deploy.scheduler import FeatherConfig, FeatherScheduler
 
     return {name: (Scheduler, {}) if name == "fcfs" else
-            (FeatherScheduler, {"feather_config": FeatherConfig(policy=name, max_wait_s=max_wait_s)})
+            (FeatherScheduler, {"feather_config": FeatherConfig(policy=name, max_wait_steps=max_wait_steps)})
             for name in policies}
 
 
@@ -174,12 +176,11 @@ def across_seeds(per_seed: dict[str, dict]) -> dict:
 def validate(workloads: dict[str, str], *, policies=DEFAULT_POLICIES, profile: str | None = None,
              rounds: int = 3, online: bool = DEFAULT_ONLINE, time_scale: float = 1.0,
              kv_cache_gib: float | None = None,
-             max_wait_s: float | None = None, max_input_tokens: int | None = None,
+             max_wait_steps: int | None = None, max_input_tokens: int | None = None,
              max_output_tokens: int | None = None, seed: int = 0, num_seeds: int = 1) -> dict:
     """The whole report: one engine, and per workload and seed the simulator and the engine on every policy."""
     from deploy.serve_bench import DEFAULT_BENCH_KV_CACHE_GIB, clip_lengths, kv_capacity, run_schedulers
     from feather_gym.costmodel import hardware_profile, load_cost_model
-    from feather_gym.policies import DEFAULT_MAX_WAIT_S
     from feather_gym.vllm_engine import resolve_kv_cache_gib, start_engine
     from traces import resolve_workload
     from traces.workload import is_generated
@@ -193,7 +194,7 @@ def validate(workloads: dict[str, str], *, policies=DEFAULT_POLICIES, profile: s
             _deployable(name)
     profile = profile or hardware_profile()
     cost_model = load_cost_model(profile)
-    max_wait_s = DEFAULT_MAX_WAIT_S if max_wait_s is None else max_wait_s
+    max_wait_steps = DEFAULT_MAX_WAIT_STEPS if max_wait_steps is None else max_wait_steps
     started = time.perf_counter()
     traces = {name: {s: clip_lengths(resolve_workload(spec, seed=s), max_input_tokens=max_input_tokens,
                                      max_output_tokens=max_output_tokens)
@@ -203,12 +204,12 @@ def validate(workloads: dict[str, str], *, policies=DEFAULT_POLICIES, profile: s
     kv_cache_gib = resolve_kv_cache_gib(kv_cache_gib, default=DEFAULT_BENCH_KV_CACHE_GIB)
     llm = start_engine(max_model_len=max(2048, longest), seed=seed, kv_cache_gib=kv_cache_gib)
     capacity = kv_capacity(llm)
-    engine_config = simulated_engine(llm, max_wait_s=max_wait_s)
+    engine_config = simulated_engine(llm, max_wait_steps=max_wait_steps)
     report = {"profile": cost_model.name, "policies": policies, "rounds": rounds, "seeds": list(seeds),
-              "online": online, "time_scale": time_scale, "max_wait_s": max_wait_s, "kv_cache_gib": kv_cache_gib,
+              "online": online, "time_scale": time_scale, "max_wait_steps": max_wait_steps, "kv_cache_gib": kv_cache_gib,
               **capacity, "token_budget": engine_config.token_budget, "max_num_seqs": engine_config.max_num_seqs,
               "workloads": {}}
-    sides = live_sides(policies, max_wait_s=max_wait_s)
+    sides = live_sides(policies, max_wait_steps=max_wait_steps)
     for name, per_seed in traces.items():
         results = {}
         for k, (s, trace) in enumerate(per_seed.items()):
@@ -288,7 +289,8 @@ def register(commands) -> None:
     add_submission_arguments(parser)
     parser.add_argument("--kv-cache-gib", type=float, default=None,
                         help="KV cache (GiB; default $VLLM_CPU_KVCACHE_SPACE, else the bench's 0.25)")
-    parser.add_argument("--max-wait-s", type=float, default=None, help="the admission's waiting-time bound (default 10)")
+    parser.add_argument("--max-wait-steps", type=int, default=None,
+                        help="the admission's waiting-time bound in engine steps (default %d)" % DEFAULT_MAX_WAIT_STEPS)
     parser.add_argument("--max-input-tokens", type=int, default=None)
     parser.add_argument("--max-output-tokens", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0, help="the workload's (first) seed (default 0)")
@@ -304,7 +306,7 @@ def _command(args) -> int:
     report = validate(parse_workloads(args.workload) or DEFAULT_WORKLOADS,
                       policies=[p for p in args.policies.split(",") if p], profile=args.profile,
                       rounds=args.rounds, **submission(args),
-                      kv_cache_gib=args.kv_cache_gib, max_wait_s=args.max_wait_s,
+                      kv_cache_gib=args.kv_cache_gib, max_wait_steps=args.max_wait_steps,
                       max_input_tokens=args.max_input_tokens, max_output_tokens=args.max_output_tokens,
                       seed=args.seed, num_seeds=args.seeds)
     print(format_report(report))

@@ -20,7 +20,11 @@ Invariants:
 * every waiting request is in ``_fcfs`` (arrival order; requests vLLM prepends, i.e.
   preempted or skipped ones, at the front) and waits in the tree;
 * every request popped (admitted) and not yet finished or prepended again is in
-  ``_running`` and active in the tree.
+  ``_running`` and active in the tree;
+* ``step`` counts the admission windows opened, one per ``schedule()`` call, i.e. the engine
+  steps (from 1, as the simulator's ``step``); every request in the engine has its arrival
+  step in ``_arrival_step``: the step it first waited in (``step + 1`` when vLLM adds it
+  between steps), kept across preemption, dropped when it leaves the engine.
 
 Costs: add/remove/pop O(tree update); FCFS front O(1); best candidate O(tree ``find_best``);
 ``k`` candidates O(tree ``top_candidates``).
@@ -48,12 +52,15 @@ class CHTWaitingQueue(RequestQueue):
         self._running: set[str] = set()
         self._admission = None
         self._chosen: Request | None = None
+        self._arrival_step: dict[str, int] = {}
+        self.step = 0
 
     # --- the admission window -------------------------------------------------------------
     @contextmanager
     def admitting(self, admission):
         """Within this block ``bool(self)`` asks ``admission.next_admission(self)`` (None = STOP)."""
         self._admission, self._chosen = admission, None
+        self.step += 1
         admission.begin_step()
         try:
             yield
@@ -86,6 +93,11 @@ class CHTWaitingQueue(RequestQueue):
         """The waiting request with ``request_id`` (KeyError if it is not waiting). O(1)."""
         return self._fcfs[request_id]
 
+    def wait_steps(self, request: Request) -> int:
+        """Engine steps the waiting ``request`` has waited before the current one (0 in its
+        arrival step). O(1)."""
+        return self.step - self._arrival_step[request.request_id]
+
     def is_resumed(self, request: Request) -> bool:
         """True for a request vLLM put back (preempted or skipped): it was admitted before."""
         return request.request_id in self._resumed
@@ -98,12 +110,12 @@ class CHTWaitingQueue(RequestQueue):
     # --- lifecycle hooks --------------------------------------------------------------------
     def finish_running(self, request: Request) -> None:
         """A running request left the engine (finished or aborted): drop it from the tree."""
-        if request.request_id in self._running:
-            self._running.discard(request.request_id)
-            self.tree.finish(request.request_id)
+        self._arrival_step.pop(request.request_id, None)
+        self._leave_running(request)
 
     # --- RequestQueue -------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
+        self._arrival_step.setdefault(request.request_id, self.step + 1)
         self._enqueue(request)
 
     def pop_request(self) -> Request:
@@ -138,6 +150,7 @@ class CHTWaitingQueue(RequestQueue):
         for request in requests:
             if self._fcfs.pop(request.request_id, None) is not None:
                 self._resumed.discard(request.request_id)
+                self._arrival_step.pop(request.request_id, None)
                 self.tree.remove(request.request_id)
                 if self._chosen is request:
                     self._chosen = None
@@ -148,8 +161,13 @@ class CHTWaitingQueue(RequestQueue):
     def __iter__(self) -> Iterator[Request]:
         return iter(list(self._fcfs.values()))
 
+    def _leave_running(self, request: Request) -> None:
+        if request.request_id in self._running:
+            self._running.discard(request.request_id)
+            self.tree.finish(request.request_id)
+
     def _enqueue(self, request: Request) -> None:
-        self.finish_running(request)  # a preempted or resumable request leaves the running set
+        self._leave_running(request)  # a preempted or resumable request leaves the running set
         self._fcfs[request.request_id] = request
         chunk = self.tree.chunk_size
         self.tree.add(request.request_id, block_hash_digests(request.block_hashes, chunk, chunk))

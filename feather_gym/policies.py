@@ -47,10 +47,18 @@ import numpy as np
 from feather_gym.observation import ADD, DEFAULT_NUM_CANDIDATES, FEATURE_INDEX, STOP
 from feather_gym.orderings import CHTOrder, DFSWeightOrder, FCFSOrder, GroupOrder, LPMOrder, WaitingOrder
 
-#: Waiting-time bound (seconds) of the admission, in the simulator and in the deployed
-#: scheduler alike: the earliest-arrived waiting request is admitted, unasked, once it has
-#: waited this long.
-DEFAULT_MAX_WAIT_S = 10.0
+#: Waiting-time bound of the admission, in engine steps, in the simulator and in the deployed
+#: scheduler alike: the earliest-arrived waiting request is admitted, unasked, once this many
+#: engine steps have begun since the step it arrived in. Counted in steps, not seconds, so a
+#: simulated and a live engine that schedule alike also bound alike, whatever the machine's speed.
+DEFAULT_MAX_WAIT_STEPS = 32
+
+
+def check_max_wait_steps(steps: int) -> int:
+    """``steps`` as an int, or ``ValueError`` unless it is a whole number >= 0."""
+    if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 0:
+        raise ValueError(f"max_wait_steps must be a whole number of engine steps >= 0, got {steps!r}")
+    return int(steps)
 _LOSS, _SAME = FEATURE_INDEX["chunk_loss_tokens"], FEATURE_INDEX["same_prefix_waiting"]
 
 

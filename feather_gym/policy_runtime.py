@@ -5,9 +5,8 @@ observation_size(k)``; output ``action_logits`` float32 ``[N, k + 1]``; ``feathe
 ``feather.num_candidates`` = ``k``) is accepted only when its observation contract equals the
 one this code builds for its ``k`` (:func:`feather_gym.observation.observation_contract`): same
 ``OBS_VERSION``, feature names in the same order, same normalisation, same action meanings.
-``feather-obs-2`` files (before ``k`` existed) are read as ``k = 1``, whose observation and
-actions they share. Anything else is refused with :class:`PolicyLoadError` naming both
-versions, so a policy never sees numbers it was not trained on.
+Anything else is refused with :class:`PolicyLoadError` naming both versions, so a policy never
+sees numbers it was not trained on.
 
 Latency: one decision is one ``onnxruntime`` run on a ``[1, F]`` row. The session runs on a
 single thread with no thread pool (nothing spins on the serving cores) and through an
@@ -24,8 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from feather_gym.observation import (LEGACY_OBS_VERSION, STOP, check_num_candidates, legacy_contract,
-                                     observation_contract, observation_size)
+from feather_gym.observation import STOP, check_num_candidates, observation_contract, observation_size
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +44,7 @@ class PolicyOutputError(ValueError):
 def check_metadata(path: str | os.PathLike, metadata: dict[str, str]) -> int:
     """The policy's candidate count ``k``; :class:`PolicyLoadError` unless ``metadata`` (raw
     strings) matches this version's :func:`~feather_gym.observation.observation_contract` for
-    that ``k`` (or, for a ``feather-obs-2`` file, :func:`~feather_gym.observation.legacy_contract`).
+    that ``k``.
 
     The message names the file, the field, and both the policy's and this build's observation
     versions.
@@ -54,16 +52,13 @@ def check_metadata(path: str | os.PathLike, metadata: dict[str, str]) -> int:
     ours = observation_contract()["feather.obs_version"]
     theirs = metadata.get("feather.obs_version", "<missing>")
     k = 1
-    if theirs == LEGACY_OBS_VERSION:
-        expected = legacy_contract()
-    else:
-        if theirs == ours and "feather.num_candidates" in metadata:
-            try:
-                k = check_num_candidates(json.loads(metadata["feather.num_candidates"]))
-            except (json.JSONDecodeError, ValueError, TypeError) as exc:
-                raise PolicyLoadError(f"{path}: metadata field 'feather.num_candidates' is "
-                                      f"{metadata['feather.num_candidates']!r}, not an integer >= 1") from exc
-        expected = observation_contract(k)
+    if theirs == ours and "feather.num_candidates" in metadata:
+        try:
+            k = check_num_candidates(json.loads(metadata["feather.num_candidates"]))
+        except (json.JSONDecodeError, ValueError, TypeError) as exc:
+            raise PolicyLoadError(f"{path}: metadata field 'feather.num_candidates' is "
+                                  f"{metadata['feather.num_candidates']!r}, not an integer >= 1") from exc
+    expected = observation_contract(k)
     for key, want in expected.items():
         if key not in metadata:
             raise PolicyLoadError(
@@ -77,7 +72,7 @@ def check_metadata(path: str | os.PathLike, metadata: dict[str, str]) -> int:
         if got != want:
             raise PolicyLoadError(
                 f"{path}: incompatible policy: it was trained for observation version {theirs!r}, "
-                f"this feather-gym builds {ours!r} (and reads {LEGACY_OBS_VERSION!r} as its one-candidate case); "
+                f"this feather-gym builds {ours!r}; "
                 f"field {key!r} is {raw!r}, expected {json.dumps(want)!r}. "
                 "Retrain or re-export the policy for this version.")
     return k

@@ -14,7 +14,7 @@ capacity come from the cost model's profile (:class:`EngineConfig`; 128-token bl
    blocks are freed, its generated tokens kept, and it goes back to the front of the queue).
 3. Admission (skipped in a step that preempted), the rules of :mod:`deploy.admission`, in order:
    a preempted request resumes first, unasked; the earliest-arrived waiting request is admitted
-   unasked once it has waited ``max_wait_s``; an empty batch admits its candidate unasked;
+   unasked once it has waited ``max_wait_steps`` engine steps; an empty batch admits its candidate unasked;
    otherwise the policy chooses STOP or one of up to ``num_candidates`` candidates of the
    ordering (:meth:`~feather_gym.orderings.WaitingOrder.candidates`, its own candidate in slot
    0; ADD/STOP when ``num_candidates`` is 1), an empty slot counting as STOP
@@ -49,8 +49,9 @@ Divergences from vLLM 0.32 that remain (effects measured with ``feather sim vali
 * Output blocks are registered when the next block is allocated (vLLM: when they fill), and a
   decoder's blocks are allocated one token late at most; neither affects other requests.
 * Step times are the cost model's: per-step noise and the engine's own overheads beyond its
-  fitted terms are not simulated. So what reads the clock (the waiting-time bound, the feature
-  ``oldest_wait_s``) sees the cost model's seconds; live it sees the machine's that day.
+  fitted terms are not simulated. No admission rule and no feature reads them (the waiting-time
+  bound and ``oldest_wait_steps`` count engine steps), so they change only when a request that
+  arrives while the engine runs joins the queue (online submission).
 
 Decoding requests are not touched per step: a request decoding since step ``s0`` with ``o0``
 tokens has emitted ``o0 + (k - s0)`` before step ``k``, and its finish and block-boundary
@@ -59,11 +60,11 @@ and a run of decode-only steps with nothing to decide is jumped over in one go (
 
 Invariants (tested): every accepted request finishes exactly once with exactly ``output_len``
 tokens; ``kv.used_blocks <= capacity`` always; the clock never goes back; every prompt token is
-either a cache hit or prefilled. Against the live engine (``tests/test_sim_validate.py``): where no
-decision reads the clock (vLLM's own scheduler; the Feather rule, or a ``k = 4`` network blind to
-``oldest_wait_s``, without the waiting-time bound) every request is first scheduled in the step
-the simulator schedules it (:attr:`SimResult.first_scheduled_step`), with as many steps,
-preemptions and prefix-cache hits.
+either a cache hit or prefilled. Against the live engine (``tests/test_sim_validate.py``): with
+the requests queued before the first step, or arriving within it (vLLM's own scheduler, the
+Feather rule, a ``k = 4`` network, the waiting-time bound on), every request is first scheduled in
+the step the simulator schedules it (:attr:`SimResult.first_scheduled_step`), with as many steps,
+preemptions, decisions and prefix-cache hits.
 
 Hybrid models (``EngineConfig.hybrid``): a prefix hit resumes only from the deepest kept
 recurrent state at or below its attention-KV match, and kept states take a reserve of the KV
@@ -90,7 +91,7 @@ from feather_gym.hybrid.state_keeping import HybridSimConfig, StateKeeper
 from feather_gym.kv_cache import NULL_BLOCKS, PrefixKVCache
 from feather_gym.observation import DEFAULT_NUM_CANDIDATES, DecisionPoint, chosen_slot
 from feather_gym.orderings import WaitingOrder
-from feather_gym.policies import DEFAULT_MAX_WAIT_S
+from feather_gym.policies import DEFAULT_MAX_WAIT_STEPS, check_max_wait_steps
 from traces import Trace
 from traces.chunk_hash import request_chunk_hashes
 
@@ -107,7 +108,7 @@ class EngineConfig:
     max_num_seqs: int = 256                #: running requests at most
     block_size: int | None = None          #: tokens per KV block = per CHT chunk
     kv_capacity_tokens: int | None = None  #: the engine's KV cache: its allocated blocks x block size
-    max_wait_s: float = DEFAULT_MAX_WAIT_S  #: waiting-time bound of the admission (as deployed)
+    max_wait_steps: int = DEFAULT_MAX_WAIT_STEPS  #: waiting-time bound of the admission, in engine steps (as deployed)
     hybrid: HybridSimConfig | None = None  #: a hybrid model's recurrent-state cache (None: dense model)
 
     def resolve(self, cost_model: CostModel) -> EngineConfig:
@@ -119,8 +120,7 @@ class EngineConfig:
             raise ValueError(f"{config}: token_budget, max_num_seqs and block_size must be >= 1")
         if config.max_num_seqs > config.token_budget:
             raise ValueError(f"{config}: max_num_seqs must not exceed token_budget (every decode takes a token)")
-        if not config.max_wait_s >= 0:
-            raise ValueError(f"{config}: max_wait_s must be >= 0")
+        check_max_wait_steps(config.max_wait_steps)
         if config.kv_blocks < 1:
             raise ValueError(f"{config}: no KV block is left beside the recurrent-state reserve")
         return config
@@ -190,7 +190,7 @@ class SimResult:
     num_decisions: int
     prefill_tokens: int           #: tokens prefilled (recomputation included)
     cached_prompt_tokens: int     #: prompt tokens served from the prefix cache at first scheduling
-    forced_wait_admissions: int = 0   #: admissions forced by the waiting-time bound
+    forced_wait_admissions: int = 0   #: answers of the waiting-time bound (a retried one counts again), as deployed
     hybrid: dict | None = None        #: the recurrent-state cache's counters (hybrid mode)
 
     def metrics(self) -> dict:
@@ -240,7 +240,7 @@ class Simulator:
     block size, ``config.resolve(cost_model).block_size``) may be passed to share the hashing
     across runs of one trace. ``num_candidates`` is how many candidates a decision offers (the
     policy's ``k``, :mod:`feather_gym.observation`). It implements :class:`~feather_gym.observation.AdmissionView`
-    (``tree``, ``num_running``, ``kv_utilisation``, ``oldest_wait_s``, ``context_tokens``).
+    (``tree``, ``num_running``, ``kv_utilisation``, ``oldest_wait_steps``, ``context_tokens``).
     Public read-only state used by orderings and observations: ``now_s``, ``step``, ``cht``,
     ``kv``, ``running`` (dict, admission order), ``digest_lists`` (prompt digests),
     ``group_of``; counters ``tokens_out`` and ``admission_waits`` (seconds each admission
@@ -270,6 +270,7 @@ class Simulator:
         self._input_len = [r.input_len for r in requests]
         self._output_len = [r.output_len for r in requests]
         self._arrivals = [r.arrival_s for r in requests]
+        self._arrival_step = [0] * n      # the engine step in which it first waited
 
         nan = np.full(n, np.nan)
         self.first_scheduled_s, self.first_token_s, self.finish_s = nan.copy(), nan.copy(), nan.copy()
@@ -305,6 +306,7 @@ class Simulator:
         self._admitting = False
         self._preempted_this_step = False
         self._stopped = False               # the policy said STOP in this step
+        self._overdue_blocked = False       # admission ended on an overdue request that did not fit
         self._pending: list[int] | None = None  # the candidates of the open decision
 
         self.tokens_out = 0
@@ -413,10 +415,11 @@ class Simulator:
         return self.kv.used_blocks / self.kv.capacity_blocks
 
     @property
-    def oldest_wait_s(self) -> float:
-        """Seconds since the arrival of the earliest-arrived waiting request (0 when none waits)."""
+    def oldest_wait_steps(self) -> int:
+        """Engine steps the earliest-arrived waiting request has waited before this one (0 in the
+        step it arrived, and when none waits)."""
         oldest = self._oldest_waiting()
-        return 0.0 if oldest is None else self.now_s - self._arrivals[oldest]
+        return 0 if oldest is None else self.step - self._arrival_step[oldest]
 
     def context_tokens(self, idx: int) -> int:
         return self._input_len[idx] + self._emitted[idx]
@@ -444,6 +447,7 @@ class Simulator:
             self._take_arrivals()
         self._preempted_this_step = False
         self._stopped = False
+        self._overdue_blocked = False
         self._grow_blocks()
         self._budget = self.config.token_budget - self._decode_count
         self._chunks = []
@@ -460,6 +464,7 @@ class Simulator:
             idx = self._next_arrival
             self._next_arrival += 1
             if self._input_len[idx] + self._output_len[idx] <= self.kv.capacity_blocks * self.block_size:
+                self._arrival_step[idx] = self.step
                 self._enqueue(idx, preempted=False)
             else:
                 self._state[idx] = _REJECTED
@@ -491,7 +496,7 @@ class Simulator:
                 oldest = self._oldest_waiting()
                 if oldest is None:
                     break
-                overdue = self.now_s - self._arrivals[oldest] >= self.config.max_wait_s
+                overdue = self.step - self._arrival_step[oldest] >= self.config.max_wait_steps
                 idx = oldest if overdue else self.order.peek()
                 asked = not overdue and bool(self.running)
             if asked:
@@ -500,10 +505,11 @@ class Simulator:
                 candidates = [idx] if self.num_candidates == 1 else self.order.candidates(self.num_candidates)
                 self._pending = candidates
                 return AdmissionPoint(self, candidates)
+            self.num_forced_wait += int(overdue)
             hits = self._fitting_hits(idx)
             if hits is None:
+                self._overdue_blocked = overdue
                 break
-            self.num_forced_wait += int(overdue)
             self._admit(idx, hits)
         self._admitting = False
         return None
@@ -603,7 +609,9 @@ class Simulator:
         seat, so the next step may admit), so the following steps only decode a fixed batch
         whose KV grows by ``B`` tokens a step. Their times come from the cost model: three
         calls and an arithmetic series when the step time is affine in that growth (checked),
-        one call per step otherwise. Stale heap tops only make the jump shorter.
+        one call per step otherwise. Stale heap tops only make the jump shorter. When admission
+        ended on an overdue request that did not fit, the bound answers again in every jumped
+        step, and is counted there, as the deployed admission counts it (``forced_wait``).
         """
         count = self._decode_count
         if not count:
@@ -629,6 +637,7 @@ class Simulator:
         if steps <= 0:
             return
         self.step += steps
+        self.num_forced_wait += steps * self._overdue_blocked   # the bound answers again each step, as live
         self.now_s += float(times[:steps].sum())
         self.tokens_out += count * steps
         self._decode_kv += count * steps

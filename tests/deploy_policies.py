@@ -13,7 +13,7 @@ import numpy as np
 import onnx
 import torch
 
-from feather_gym.observation import FEATURE_NAMES, LEGACY_OBS_VERSION, OBS_CLIP, observation_size
+from feather_gym.observation import FEATURE_NAMES, OBS_CLIP, observation_size
 from trainer.export import export_policy_module
 
 F = len(FEATURE_NAMES)
@@ -34,18 +34,6 @@ def untrained_policy(path: Path, k: int = 1) -> Path:
     torch.manual_seed(0)
     size = observation_size(k)
     return export(torch.nn.Sequential(torch.nn.Linear(size, 16), torch.nn.Tanh(), torch.nn.Linear(16, k + 1)), path, k)
-
-
-def legacy_policy(source: Path, path: Path) -> Path:
-    """``source`` (a ``k = 1`` policy) labelled as exported before the candidate count existed
-    (``feather-obs-2``, no ``feather.num_candidates``)."""
-    model = onnx.load(source)
-    props = [(p.key, p.value) for p in model.metadata_props if p.key != "feather.num_candidates"]
-    del model.metadata_props[:]
-    onnx.helper.set_model_props(model, {key: LEGACY_OBS_VERSION if key == "feather.obs_version" else value
-                                        for key, value in props})
-    onnx.save_model(model, path)
-    return path
 
 
 def constant_policy(path: Path, action: int) -> Path:

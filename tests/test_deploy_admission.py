@@ -116,12 +116,36 @@ def test_stop_ends_admission_for_the_step(files):
     assert admission.stats.stops == 1
 
 
-def test_waiting_time_bound_overrides_stop(files):
-    queue, _ = make_queue({"a": (1,), "b": (2,), "c": (3,)}, arrival_time=time.time() - 5.0)
-    admission = policy_admission(files["stop"], Running(1), max_wait_s=2.0)
+def test_waiting_time_bound_overrides_stop_after_its_engine_steps(files):
+    """Added before step 1, the requests have waited 2 steps before step 3: the bound of 2 admits
+    them all there, over the policy's STOP; the wall clock plays no part."""
+    queue, _ = make_queue({"a": (1,), "b": (2,), "c": (3,)}, arrival_time=time.time() - 1e6)
+    admission = policy_admission(files["stop"], Running(1), max_wait_steps=2)
+    for _ in range(2):
+        with queue.admitting(admission):
+            assert not queue
     with queue.admitting(admission):
         assert [admit(queue) for _ in range(3)] == ["a", "b", "c"]
-    assert admission.stats.forced_wait == 3 and admission.stats.stops == 0
+    assert admission.stats.forced_wait == 3 and admission.stats.stops == 2
+
+
+def test_wait_steps_count_engine_steps_since_arrival_and_survive_preemption():
+    queue, requests = make_queue({"a": (1,)})
+    admission = FCFSAdmission()
+    with queue.admitting(admission):
+        assert queue.wait_steps(requests["a"]) == 0     # its arrival step
+        assert admit(queue) == "a"
+    queue.add_request(b := vllm_request("b", tokens(2), block_size=BLOCK, arrival_time=0.0))
+    for step in (2, 3):
+        with queue.admitting(admission):
+            assert queue.step == step and queue.wait_steps(b) == step - 2
+    queue.prepend_request(requests["a"])                # preempted: it keeps its arrival step
+    with queue.admitting(admission):
+        assert queue.wait_steps(requests["a"]) == 3 and queue.wait_steps(b) == 2
+        assert admit(queue) == "a"
+    queue.finish_running(requests["a"])                 # left the engine: forgotten
+    with pytest.raises(KeyError):
+        queue.wait_steps(requests["a"])
 
 
 class RaisingPolicy:
@@ -179,8 +203,10 @@ def test_feather_config_from_additional_config(tmp_path):
     assert FeatherConfig.from_additional_config({}, environ={}) == FeatherConfig()
     assert FeatherConfig.from_additional_config(None, environ={"FEATHER_POLICY": "p.onnx"}).policy == "p.onnx"
     config = FeatherConfig.from_additional_config(
-        {"feather": {"policy": "x.onnx", "on_policy_error": "fcfs", "max_wait_s": 3}}, environ={"FEATHER_POLICY": "p"})
-    assert config == FeatherConfig(policy="x.onnx", on_policy_error="fcfs", max_wait_s=3)
+        {"feather": {"policy": "x.onnx", "on_policy_error": "fcfs", "max_wait_steps": 3}}, environ={"FEATHER_POLICY": "p"})
+    assert config == FeatherConfig(policy="x.onnx", on_policy_error="fcfs", max_wait_steps=3)
+    with pytest.raises(ValueError, match="unknown .* keys \\['max_wait_s'\\]; valid keys.*max_wait_steps"):
+        FeatherConfig.from_additional_config({"feather": {"max_wait_s": 10}}, environ={})
     with pytest.raises(ValueError, match="unknown .* keys \\['polcy'\\]; valid keys"):
         FeatherConfig.from_additional_config({"feather": {"polcy": "x"}}, environ={})
     with pytest.raises(ValueError, match="on_policy_error must be one of"):
@@ -201,9 +227,12 @@ def test_unusable_policy_at_start_refuses_or_falls_back(files, name, message, ca
 
 
 def test_usable_policy_builds_a_policy_admission(files):
-    admission = build_admission(FeatherConfig(policy=str(files["add"]), max_wait_s=4.0),
+    admission = build_admission(FeatherConfig(policy=str(files["add"]), max_wait_steps=4),
                                 num_running=lambda: 0, kv_usage=lambda: 0.0, max_num_seqs=256)
-    assert isinstance(admission, PolicyAdmission) and admission.max_wait_s == 4.0
+    assert isinstance(admission, PolicyAdmission) and admission.max_wait_steps == 4
+    for bad in (-1, 2.5, True, "10"):
+        with pytest.raises(ValueError, match="max_wait_steps must be a whole number"):
+            FeatherConfig(policy=str(files["add"]), max_wait_steps=bad)
 
 
 def test_the_feather_rule_is_deployable_and_fcfs_orderings_are_refused():
@@ -221,7 +250,7 @@ def test_deployed_rule_stops_a_candidate_of_another_prefix():
     queue, _ = make_queue({"a": tuple(range(1, 1 + 6 * 16)), "b": tuple(range(200, 200 + 6 * 16))})
     running = Running()
     admission = PolicyAdmission(FeatherRule(), num_running=running, kv_usage=lambda: 0.0, max_num_seqs=256,
-                                max_wait_s=1e9)
+                                max_wait_steps=10**9)
     with queue.admitting(admission):
         assert admit(queue) == "a"
         running.n = 1

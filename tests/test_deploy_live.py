@@ -143,7 +143,7 @@ def test_nan_policy_at_run_time_falls_back_and_keeps_serving(llm, trace, files, 
 
 @slow
 def test_waiting_time_bound_overrides_an_always_stop_policy(llm, trace, files, default_round):
-    feather = feather_round(llm, trace, 3, policy=str(files["stop"]), max_wait_s=0.0)
+    feather = feather_round(llm, trace, 3, policy=str(files["stop"]), max_wait_steps=0)
     assert feather.outputs == default_round.outputs                             # nobody lost or starved
     assert feather.scheduler_stats["forced_wait"] > 0 and feather.scheduler_stats["stops"] == 0
 
@@ -204,7 +204,7 @@ def test_feather_scheduler_refuses_an_engine_without_prefix_caching(llm):
 @slow
 def test_always_stop_policy_with_a_waiting_bound_stops_and_loses_nothing(llm, trace, files):
     """STOPs hold requests back; no-idling and the waiting-time bound still admit every one."""
-    feather = feather_round(llm, trace, 6, policy=str(files["stop"]), max_wait_s=1.0)
+    feather = feather_round(llm, trace, 6, policy=str(files["stop"]), max_wait_steps=4)
     assert feather.lost == 0 and feather.finished == len(trace)
     assert [len(feather.outputs[r.request_id]) for r in trace] == [r.output_len for r in trace]
     stats = feather.scheduler_stats

@@ -75,7 +75,8 @@ def simulator_at_decision(block_size: int, decisions: int, k: int = 1):
 
 def scheduler_queue_like(sim: Simulator, block_size: int, base_time: float) -> CHTWaitingQueue:
     """A vLLM waiting queue holding ``sim``'s running requests (admitted, in order) and its waiting
-    ones (in arrival order), as real vLLM requests hashed at ``block_size``."""
+    ones (in arrival order, each added between the engine steps before the one it arrived in, as
+    vLLM adds them), as real vLLM requests hashed at ``block_size``; the queue is in ``sim``'s step."""
     queue = CHTWaitingQueue(ChunkedHashTree(chunk_size=block_size))
     trace = sim.trace
 
@@ -87,7 +88,9 @@ def scheduler_queue_like(sim: Simulator, block_size: int, base_time: float) -> C
         queue.add_request(vllm(idx))
         queue.pop_request()
     for idx in sorted(sim.cht.waiting_ids(), key=lambda i: trace.requests[i].arrival_s):
+        queue.step = sim._arrival_step[idx] - 1
         queue.add_request(vllm(idx))
+    queue.step = sim.step
     return queue
 
 
@@ -97,7 +100,7 @@ def deployed_point(sim: Simulator, block_size: int, policy):
     queue = scheduler_queue_like(sim, block_size, base)
     recorder = Recorder(sim.num_candidates)
     admission = PolicyAdmission(recorder, num_running=lambda: len(sim.running), kv_usage=lambda: sim.kv_utilisation,
-                                max_num_seqs=256, max_wait_s=1e9, clock=lambda: base + sim.now_s)
+                                max_num_seqs=256, max_wait_steps=10**9)
     admission.begin_step()
     assert admission.next_admission(queue) is not None
     (point,) = recorder.points

@@ -32,7 +32,7 @@ def server(tmp_path_factory):
     model = str(ensure_smollm2_hf())
     arguments = ["--model", model, "--kv-cache-memory-bytes", "1G", "--enable-prefix-caching",
                  "--scheduler-cls", "deploy.scheduler.FeatherScheduler",
-                 "--additional-config", json.dumps({"feather": {"policy": str(policy), "max_wait_s": 2}}),
+                 "--additional-config", json.dumps({"feather": {"policy": str(policy), "max_wait_steps": 8}}),
                  # for this test only: a short start (no torch.compile) and a small model length
                  "--enforce-eager", "--dtype", "float32", "--max-model-len", "1024"]
     with running_server(root, arguments) as (url, log):

@@ -1,4 +1,4 @@
-"""ONNX policies over k candidate slots: the contract carries k, k = 1 files of before still serve."""
+"""ONNX policies over k candidate slots: the contract carries k; files of an earlier contract are refused."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 import deploy_policies as policies
 from feather_gym.costmodel import load_cost_model
-from feather_gym.observation import LEGACY_OBS_VERSION, OBS_VERSION, STOP, observation_size
+from feather_gym.observation import OBS_VERSION, STOP, observation_size
 from feather_gym.policies import make_policy
 from feather_gym.policy_runtime import OnnxPolicy, PolicyLoadError
 from feather_gym.simulator import simulate
@@ -20,7 +20,7 @@ def files(tmp_path_factory):
     root = tmp_path_factory.mktemp("k-policies")
     one = policies.untrained_policy(root / "k1.onnx")
     four = policies.untrained_policy(root / "k4.onnx", k=4)
-    return {"k1": one, "k4": four, "legacy": policies.legacy_policy(one, root / "legacy.onnx"),
+    return {"k1": one, "k4": four, "obs-3": policies.with_metadata(one, root / "obs-3.onnx", obs_version="feather-obs-3"),
             "k4-says-2": policies.with_metadata(four, root / "k4-says-2.onnx", num_candidates=2),
             "k1-no-k": policies.with_metadata(one, root / "k1-bad-k.onnx", num_candidates="four")}
 
@@ -36,12 +36,11 @@ def test_a_k4_policy_acts_greedily_over_five_actions(files):
     np.testing.assert_array_equal([policy.decide(row) for row in rows], actions != STOP)
 
 
-def test_a_feather_obs_2_policy_loads_as_k1_and_decides_as_before(files):
-    legacy, current = OnnxPolicy(files["legacy"]), OnnxPolicy(files["k1"])
-    assert legacy.metadata["feather.obs_version"] == LEGACY_OBS_VERSION and "feather.num_candidates" not in legacy.metadata
-    assert legacy.num_candidates == 1 and current.metadata["feather.obs_version"] == OBS_VERSION
-    rows = np.random.default_rng(2).uniform(0, 3, (50, observation_size(1))).astype(np.float32)
-    assert [legacy.act(r) for r in rows] == [current.act(r) for r in rows]
+def test_a_policy_of_the_seconds_clock_contract_is_refused_naming_both_versions(files):
+    """``feather-obs-3`` read waiting time in seconds: its numbers mean nothing to this build."""
+    with pytest.raises(PolicyLoadError, match="'feather-obs-3', this feather-gym builds 'feather-obs-4'"):
+        OnnxPolicy(files["obs-3"])
+    assert OBS_VERSION == "feather-obs-4"
 
 
 @pytest.mark.parametrize("name, message", [
@@ -52,7 +51,7 @@ def test_inconsistent_candidate_counts_are_refused(files, name, message):
     with pytest.raises(PolicyLoadError, match=message) as error:
         OnnxPolicy(files[name])
     if name == "k4-says-2":
-        assert OBS_VERSION in str(error.value) and LEGACY_OBS_VERSION in str(error.value)
+        assert OBS_VERSION in str(error.value)
 
 
 def test_a_k4_policy_file_runs_in_the_simulator(files):

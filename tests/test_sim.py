@@ -319,14 +319,16 @@ def test_waiting_time_bound_admits_overdue_requests_over_a_stop(h200):
     reqs = [request(i, 0.0, tokens(40 + i, 300), 400) for i in range(4)]
     always_stop = type("AlwaysStop", (), {"decide": lambda self, point: STOP})()
 
-    def run(max_wait_s):
-        sim = Simulator(Trace("t", reqs), h200, CHTOrder(), config=engine(max_wait_s=max_wait_s))
+    def run(max_wait_steps):
+        sim = Simulator(Trace("t", reqs), h200, CHTOrder(), config=engine(max_wait_steps=max_wait_steps))
         while (point := sim.next_admission()) is not None:
             sim.apply(always_stop.decide(point))
         return sim.result()
 
-    bounded, unbounded = run(0.05), run(1e9)
+    bounded, unbounded = run(2), run(10**9)
     assert bounded.forced_wait_admissions == 3 and unbounded.forced_wait_admissions == 0
+    # all arrive for step 1; the three STOPped ones have waited 2 steps before step 3
+    assert bounded.first_scheduled_step.tolist() == [1, 3, 3, 3]
     assert bounded.finished.all() and unbounded.finished.all()
     # unbounded: always-STOP serves one at a time; bounded: the overdue ones join the batch
     assert bounded.metrics()["makespan_s"] < unbounded.metrics()["makespan_s"]

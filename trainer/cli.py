@@ -124,8 +124,8 @@ def run_export(args: argparse.Namespace) -> int:
     from trainer.export import export_policy_module, load_policy_network
     from trainer.train import read_training_info
 
+    info = read_training_info(args.checkpoint) or {}      # ValueError: trained for another observation contract
     network = load_policy_network(args.checkpoint)
-    info = read_training_info(args.checkpoint) or {}
     profile = args.profile or info.get("profile")
     workloads = args.workloads or info.get("workloads")
     if not profile or not workloads:

@@ -186,8 +186,10 @@ class TrainConfig:
             if not Path(self.resume).is_dir():
                 raise FileNotFoundError(f"resume: checkpoint directory {self.resume} does not exist")
             from trainer.export import load_policy_network
+            from trainer.train import read_training_info
 
-            load_policy_network(self.resume)                     # a corrupted checkpoint fails here, before Ray
+            read_training_info(self.resume)                      # another observation contract fails here,
+            load_policy_network(self.resume)                     # and a corrupted checkpoint, before Ray
         if self.improve_warm_start is not None:
             if self.warm_start == "none":
                 raise ValueError("improve_warm_start: improves the warm-start baseline; warm_start is none")

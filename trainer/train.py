@@ -253,15 +253,32 @@ def _progress_line(record: IterationRecord, left_s: float) -> str:
 
 
 def write_training_info(checkpoint: Path, config: TrainConfig, trained_at: datetime) -> None:
-    """Label the checkpoint with what its policy was trained on (read back by ``feather-train export``)."""
-    info = {"profile": config.profile, "workloads": list(config.workloads), "trained_at": trained_at.isoformat()}
+    """Label the checkpoint with what its policy was trained on (read back by ``feather-train export``
+    and ``--resume``), its observation contract included."""
+    from feather_gym.observation import OBS_VERSION
+
+    info = {"profile": config.profile, "workloads": list(config.workloads), "trained_at": trained_at.isoformat(),
+            "obs_version": OBS_VERSION}
     (checkpoint / TRAINING_INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
 
 
 def read_training_info(checkpoint: Path) -> dict | None:
-    """The label written by :func:`write_training_info`, or None for a foreign checkpoint."""
+    """The label written by :func:`write_training_info`, or None for a foreign checkpoint.
+
+    ``ValueError`` when the label says the network was trained on another observation contract
+    than this build's (a label without one predates ``feather-obs-4``): its inputs would mean
+    other things here, so it can be neither exported as this contract nor fine-tuned."""
+    from feather_gym.observation import OBS_VERSION
+
     path = Path(checkpoint) / TRAINING_INFO_FILE
-    return json.loads(path.read_text()) if path.is_file() else None
+    if not path.is_file():
+        return None
+    info = json.loads(path.read_text())
+    theirs = info.get("obs_version", "feather-obs-3 or earlier")
+    if theirs != OBS_VERSION:
+        raise ValueError(f"checkpoint {checkpoint} was trained for observation version {theirs!r}, this "
+                         f"feather-gym builds {OBS_VERSION!r}; retrain it (feather-train) for this version")
+    return info
 
 
 def train(config: TrainConfig, *, progress: Callable[[str], None] = print) -> dict:

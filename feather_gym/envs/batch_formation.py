@@ -37,7 +37,7 @@ DEFAULT_CONFIG = {
     "wait_penalty": 1.0,
     "token_budget": None,
     "max_num_seqs": EngineConfig.max_num_seqs,
-    "max_wait_s": EngineConfig.max_wait_s,
+    "max_wait_steps": EngineConfig.max_wait_steps,
     "kv_capacity_tokens": None,   # None: the profile's
     "num_candidates": DEFAULT_NUM_CANDIDATES,   # k: 1 is ADD/STOP on the CHT's best candidate
     "workload_instances": 1,  # generated traces per workload spec, seeds seed .. seed + n - 1
@@ -119,7 +119,7 @@ class BatchFormationEnv(gym.Env):
     | 5   | candidate_cached_fraction    | share of its full blocks in the running set          | 1     |
     | 6   | kv_utilisation               | fraction of KV blocks in use                         | 1     |
     | 7   | num_waiting                  | waiting requests                                     | 128   |
-    | 8   | oldest_wait_s                | wait of the earliest-arrived waiting request (s)     | 10    |
+    | 8   | oldest_wait_steps            | engine steps the earliest-arrived waiting one waited | 64    |
 
     ## Rewards
     Per step, in units of the window's total output tokens ``T``::
@@ -164,7 +164,7 @@ class BatchFormationEnv(gym.Env):
     ``traces.resolve_workload``), ``profile`` (cost model name or file; None: ``hardware_profile()``), ``seed`` (workload
     generation, and the episode stream unless ``reset(seed=...)``), ``window_requests``,
     ``max_decisions`` (0: no limit), ``wait_bound_s``, ``wait_penalty``, ``token_budget`` (None: the
-    profile's), ``max_num_seqs``, ``max_wait_s`` (the admission's waiting-time bound, as deployed),
+    profile's), ``max_num_seqs``, ``max_wait_steps`` (the admission's waiting-time bound in engine steps, as deployed),
     ``kv_capacity_tokens`` (None: the profile's), ``num_candidates`` (``k``, >= 1),
     ``workload_instances`` (traces of each generator spec, seeds ``seed .. seed + n - 1``; a trace
     file is one trace), ``reward_baseline`` (a baseline name of :data:`feather_gym.policies.BASELINES`),
@@ -192,7 +192,7 @@ class BatchFormationEnv(gym.Env):
         profile = config["profile"] or hardware_profile()
         self.cost_model = load_cost_model(profile)
         self.engine = EngineConfig(token_budget=config["token_budget"], max_num_seqs=config["max_num_seqs"],
-                                   max_wait_s=config["max_wait_s"],
+                                   max_wait_steps=config["max_wait_steps"],
                                    kv_capacity_tokens=config["kv_capacity_tokens"]).resolve(self.cost_model)
         if config["workload_instances"] < 1:
             raise ValueError(f"workload_instances must be >= 1, got {config['workload_instances']}")
