@@ -6,6 +6,7 @@ import pytest
 
 from trainer.cli import build_train_parser, main
 from feather_gym.costmodel import hardware_profile
+from feather_gym.policies import DEFAULT_MAX_WAIT_STEPS
 from trainer.config import DEFAULT_MIXES, TrainConfig, build_config, load_config_file
 
 
@@ -76,6 +77,7 @@ def test_config_file_errors_name_the_file_and_setting(tmp_path):
     (["--iterations", "0"], "iterations: must be >= 1"),
     (["--resume", "/nonexistent/checkpoint"], "checkpoint directory /nonexistent/checkpoint does not exist"),
     (["--warm-start", "fifo"], "warm_start: 'fifo' is not a baseline"),
+    (["--max-wait-steps", "-1"], "max_wait_steps must be a whole number of engine steps >= 0"),
 ])
 def test_bad_input_fails_fast_with_a_clear_error(tmp_path, capsys, argv, message):
     assert main(argv + ["--output", str(tmp_path / "out")]) == 2
@@ -183,3 +185,12 @@ def test_trace_files_train_on_the_earlier_part_and_evaluate_on_the_later(tmp_pat
 def test_split_settings_fail_fast_on_the_command_line(tmp_path, capsys, argv, message):
     assert main(argv + ["--workload", SMALL[0], "--profile", "cpu", "--output", str(tmp_path / "out")]) == 2
     assert message in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
+def test_the_waiting_time_bound_trains_validates_and_evaluates_alike():
+    """One bound for the env, validation and held-out evaluation: what the policy is served with."""
+    from trainer.train import env_config
+
+    config = TrainConfig(workloads=("no-sharing",), max_wait_steps=8)
+    assert config.engine().max_wait_steps == 8 and env_config(config)["max_wait_steps"] == 8
+    assert TrainConfig().max_wait_steps == DEFAULT_MAX_WAIT_STEPS

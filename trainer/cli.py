@@ -45,6 +45,9 @@ def build_train_parser() -> argparse.ArgumentParser:
                              + "; ".join(f"{device}: {' '.join(mix.workloads)}" for device, mix in DEFAULT_MIXES.items()) + ")")
     parser.add_argument("--kv-capacity-tokens", type=int, metavar="TOKENS",
                         help="KV capacity of the simulated engine (default: the built-in mix's, else the profile's)")
+    parser.add_argument("--max-wait-steps", type=int, metavar="STEPS",
+                        help=f"the admission's waiting-time bound in engine steps (default {defaults.max_wait_steps}); "
+                             "serve with the same (additional_config feather.max_wait_steps)")
     parser.add_argument("--profile", help="cost-model profile name or file; default: the shipped one for this hardware")
     budget = parser.add_mutually_exclusive_group()
     budget.add_argument("--iterations", type=int, help="train for exactly N PPO iterations")

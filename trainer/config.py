@@ -26,6 +26,7 @@ import yaml
 
 from feather_gym.costmodel import hardware_profile
 from feather_gym.envs import DEFAULT_CONFIG as ENV_DEFAULTS
+from feather_gym.policies import check_max_wait_steps
 from traces.workload import CPU_ENGINE_WORKLOADS, DEFAULT_EVAL_FRACTION, SPLIT_PARTS, split_spec
 
 #: Training env seeds: ``seed + SEED_STRIDE * worker index`` (:func:`training_env_seed`).
@@ -44,7 +45,7 @@ class TrainingMix:
 #: The built-in mixes, by the profile's device: prefix sharing of several shapes plus a
 #: no-sharing control, so the policy learns both to form homogeneous batches and to keep
 #: batches full when nothing is shared. Each is sized for its engine: the GPU mix would keep a
-#: 2-core CPU engine busy for hours (every admission then passes the 10 s waiting-time bound and
+#: 2-core CPU engine busy for hours (every admission then passes the waiting-time bound and
 #: no decision is left to learn), so the CPU mix is every generator's shape at the live bench's
 #: scale (arriving at 1,000/s, the regime the live benches serve them in by default,
 #: :data:`traces.workload.CPU_ENGINE_WORKLOADS`), in the KV cache of its pressure regime: 5,760
@@ -78,6 +79,7 @@ class TrainConfig:
     workloads: tuple[str, ...] | None = None     # None: DEFAULT_MIXES of the profile's device
     profile: str | None = None              # None: the shipped profile for this hardware
     kv_capacity_tokens: int | None = None   # None: the built-in mix's (with default workloads), else the profile's
+    max_wait_steps: int = ENV_DEFAULTS["max_wait_steps"]   # the admission's waiting-time bound: deploy with the same
     iterations: int | None = None
     time_budget_s: float = 450.0
     num_env_runners: int = 1                # 2 cores: one sampler process + the learner in the driver
@@ -153,7 +155,7 @@ class TrainConfig:
         """The simulated engine's settings (:class:`feather_gym.simulator.EngineConfig`) of this run."""
         from feather_gym.simulator import EngineConfig
 
-        return EngineConfig(kv_capacity_tokens=self.kv_capacity_tokens)
+        return EngineConfig(kv_capacity_tokens=self.kv_capacity_tokens, max_wait_steps=self.max_wait_steps)
 
     def validate(self) -> None:
         """Raise ``ValueError``/``OSError`` naming the bad field; cheap (no Ray, no training)."""
@@ -167,6 +169,7 @@ class TrainConfig:
             raise ValueError("workloads: at least one workload spec is needed")
         if self.kv_capacity_tokens is not None and self.kv_capacity_tokens < 1:
             raise ValueError(f"kv_capacity_tokens: must be >= 1, got {self.kv_capacity_tokens}")
+        check_max_wait_steps(self.max_wait_steps)
         parts = dict.fromkeys(split_spec(spec, part, self.eval_fraction)    # ValueError for a bad eval_fraction
                               for spec in self.workloads for part in SPLIT_PARTS)
         for spec in parts:
