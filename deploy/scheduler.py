@@ -116,7 +116,8 @@ class FeatherConfig:
 
 
 def load_deployable_policy(spec: str, *, device: str = "cpu"):
-    """The :class:`feather_gym.policies.Policy` named by ``spec``: ``"feather-rule"`` or an ONNX file.
+    """The :class:`feather_gym.policies.Policy` named by ``spec``: a baseline that orders by the CHT
+    (``"feather-rule"``, ``"cht"``, ``"cht-dfs"``) or an ONNX file.
 
     Raises ``ValueError`` for a policy that cannot run here (it orders candidates some other
     way than the CHT, reads the simulator's state, or its file's observation contract differs)
@@ -128,7 +129,7 @@ def load_deployable_policy(spec: str, *, device: str = "cpu"):
     policy = make_policy(spec, device=device)
     if spec in SIMULATOR_ONLY or type(policy.make_order()) is not CHTOrder:
         raise ValueError(f"policy {spec!r} cannot run in the Feather scheduler, which proposes the CHT's "
-                         "candidate: use 'feather-rule' or a *.onnx policy (vLLM's own scheduler is FCFS)")
+                         "candidates: use 'feather-rule', 'cht', 'cht-dfs' or a *.onnx policy (vLLM's own scheduler is FCFS)")
     return policy
 
 
@@ -153,6 +154,11 @@ def build_admission(config: FeatherConfig, *, num_running: Callable[[], int], kv
     if runtime is not None:
         logger.info("Feather policy %s loaded (%s, trained on %s / %s)", config.policy, runtime.provider,
                     runtime.metadata.get("feather.profile"), runtime.metadata.get("feather.workload"))
+        trained_bound = runtime.metadata.get("feather.max_wait_steps")
+        if trained_bound is not None and int(trained_bound) != config.max_wait_steps:
+            logger.warning("Feather policy %s was trained with max_wait_steps=%s and serves with %d: its "
+                           "decisions meet states it was not trained in", config.policy, trained_bound,
+                           config.max_wait_steps)
     return PolicyAdmission(policy, num_running=num_running, kv_usage=kv_usage, max_num_seqs=max_num_seqs,
                            max_wait_steps=config.max_wait_steps, resumable=resumable)
 

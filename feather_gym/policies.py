@@ -7,8 +7,8 @@ candidate) as an :class:`~feather_gym.simulator.AdmissionPoint`: ``batch_size``,
 ``observation`` (:class:`~feather_gym.observation.DecisionPoint`), plus the simulator-only
 ``request``, CHT ``stats`` and ``sim`` (slot 0's). A policy answers an action: 0 STOP, ``i``
 admit slot ``i - 1`` (``k = 1``: STOP or ADD). Policies that read only the
-:class:`DecisionPoint` part and order by the CHT (the rule, cht-dfs, trained policies) are
-*deployable*: :mod:`deploy.admission` runs the same objects inside vLLM.
+:class:`DecisionPoint` part and order by the CHT (cht, the rule, cht-dfs, trained policies)
+are *deployable*: :mod:`deploy.admission` runs the same objects inside vLLM.
 
 ==============  ================  ============================================================
 name            ordering          decision
@@ -17,6 +17,8 @@ fcfs            FCFSOrder         always ADD: vLLM's default (the batch is bound
                                   ``max_num_seqs``, the token budget and the KV cache)
 lpm             LPMOrder          always ADD: SGLang's longest-prefix-match (FCFS beyond 128)
 dfs             DFSWeightOrder    always ADD: SGLang's DFS-weight
+cht             CHTOrder          always ADD: the Feather scheduler's order without its STOPs
+                                  (what of a gain is the CHT's ordering; deployable)
 feather-rule    CHTOrder          the threshold rule of the Feather vLLM pull request
 cht-dfs         CHTOrder, k = 4   always admits, choosing among the CHT's 4 candidate groups
                                   the one with the most waiting requests (DFS-weight's
@@ -297,6 +299,7 @@ BASELINES = {
     "fcfs": lambda: AlwaysAdd("fcfs", FCFSOrder),
     "lpm": lambda: AlwaysAdd("lpm", LPMOrder),
     "dfs": lambda: AlwaysAdd("dfs", DFSWeightOrder),
+    "cht": lambda: AlwaysAdd("cht", CHTOrder),
     "feather-rule": FeatherRule,
     "cht-dfs": HeaviestGroup,
     "group-label": GroupLabelPolicy,

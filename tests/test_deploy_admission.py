@@ -235,10 +235,29 @@ def test_usable_policy_builds_a_policy_admission(files):
             FeatherConfig(policy=str(files["add"]), max_wait_steps=bad)
 
 
+def test_serving_with_another_waiting_bound_than_trained_warns(files, tmp_path, caplog):
+    import torch
+
+    from feather_gym.observation import observation_size
+    from trainer.export import export_policy_module
+
+    trained = tmp_path / "bound-32.onnx"
+    export_policy_module(torch.nn.Linear(observation_size(1), 2), trained, profile="cpu", workload="prefix-groups",
+                         observations=np.zeros((4, observation_size(1)), np.float32), max_wait_steps=32)
+    hooks = {"num_running": lambda: 0, "kv_usage": lambda: 0.0, "max_num_seqs": 256}
+    with caplog.at_level(logging.WARNING, logger="deploy.scheduler"):
+        build_admission(FeatherConfig(policy=str(trained), max_wait_steps=32), **hooks)
+        assert "trained with max_wait_steps" not in caplog.text
+        build_admission(FeatherConfig(policy=str(trained), max_wait_steps=8), **hooks)
+    assert "trained with max_wait_steps=32 and serves with 8" in caplog.text
+
+
 def test_the_feather_rule_is_deployable_and_fcfs_orderings_are_refused():
     hooks = {"num_running": lambda: 0, "kv_usage": lambda: 0.0, "max_num_seqs": 256}
     admission = build_admission(FeatherConfig(policy="feather-rule"), **hooks)
     assert isinstance(admission, PolicyAdmission) and isinstance(admission.policy, FeatherRule)
+    for name in ("cht", "cht-dfs"):          # the CHT's order, without STOPs / choosing a group
+        assert build_admission(FeatherConfig(policy=name), **hooks).policy.name == name
     for name in ("fcfs", "dfs", "group-label", "rule-playout", "rule-playout-sampled"):
         with pytest.raises(PolicyStartupError, match="cannot run in the Feather scheduler"):
             build_admission(FeatherConfig(policy=name), **hooks)

@@ -49,6 +49,7 @@ def test_export_writes_the_contract(tmp_path, real_observations):
     assert json.loads(meta["feather.action_meanings"]) == list(ACTION_MEANINGS) == ["STOP", "ADD"]
     assert meta["feather.env_id"] == "feather_gym/BatchFormation-v0"
     assert meta["feather.profile"] == "h100"
+    assert "feather.max_wait_steps" not in meta           # not given: not recorded (feather-train records it)
     assert json.loads(meta["feather.workload"]) == ["prefix-groups", "no-sharing"]
     assert datetime.fromisoformat(meta["feather.trained_at"]) == trained_at
 

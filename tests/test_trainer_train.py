@@ -12,6 +12,7 @@ import onnxruntime
 import pytest
 
 from feather_gym.observation import FEATURE_NAMES, OBS_VERSION
+from feather_gym.policies import DEFAULT_MAX_WAIT_STEPS
 from trainer.cli import main
 from trainer.config import TrainConfig
 from trainer.train import train
@@ -59,6 +60,7 @@ def test_tiny_training_run_exports_a_valid_policy(tmp_path, capsys, monkeypatch)
     assert meta["feather.obs_version"] == OBS_VERSION
     assert json.loads(meta["feather.feature_names"]) == list(FEATURE_NAMES)
     assert meta["feather.profile"] == "h100" and json.loads(meta["feather.workload"]) == list(WORKLOADS)
+    assert meta["feather.max_wait_steps"] == str(DEFAULT_MAX_WAIT_STEPS)     # the bound it was trained with
     parity = summary["export_parity"]
     assert parity["max_abs_diff_random"] < 1e-4 and parity["max_abs_diff_real"] < 1e-4
 

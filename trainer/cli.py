@@ -135,7 +135,8 @@ def run_export(args: argparse.Namespace) -> int:
         raise ValueError(f"checkpoint {args.checkpoint} does not record its profile and workloads "
                          "(not written by feather-train); pass --profile and --workload")
     trained_at = datetime.fromisoformat(info["trained_at"]) if "trained_at" in info else None
-    report = export_policy_module(network, args.output, profile=profile, workload=workloads, trained_at=trained_at)
+    report = export_policy_module(network, args.output, profile=profile, workload=workloads, trained_at=trained_at,
+                                  max_wait_steps=info.get("max_wait_steps"))
     print(f"wrote {args.output}: max abs diff vs torch {report['max_abs_diff_random']:.2g} (random), "
           f"{report['max_abs_diff_real']:.2g} (real, {report['num_real_observations']} observations)")
     if args.json:

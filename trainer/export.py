@@ -95,11 +95,12 @@ def load_policy_network(checkpoint: str | Path) -> PolicyLogits:
 
 
 def onnx_metadata(*, profile: str, workload: str | Sequence[str], trained_at: datetime | None = None,
-                  num_candidates: int = 1) -> dict[str, str]:
+                  num_candidates: int = 1, max_wait_steps: int | None = None) -> dict[str, str]:
     """The ``feather.*`` metadata_props, from the observation builder of this version.
 
     ``workload`` is stored as the spec itself when it is one spec (or a one-element list), and as
-    a JSON list for a mix.
+    a JSON list for a mix. ``max_wait_steps``, the waiting-time bound it was trained with, is
+    stored when known (the scheduler warns when it serves with another).
     """
     from feather_gym.envs import ENV_ID
     from feather_gym.observation import observation_contract
@@ -114,6 +115,7 @@ def onnx_metadata(*, profile: str, workload: str | Sequence[str], trained_at: da
         "feather.workload": workload if isinstance(workload, str) else
                             workload[0] if len(workload) == 1 else json.dumps(list(workload)),
         "feather.trained_at": trained_at.astimezone(timezone.utc).isoformat(timespec="seconds"),
+        **({} if max_wait_steps is None else {"feather.max_wait_steps": str(max_wait_steps)}),
     }
 
 
@@ -149,11 +151,13 @@ def export_policy_module(
     observations: np.ndarray | None = None,
     atol: float = PARITY_ATOL,
     num_candidates: int | None = None,
+    max_wait_steps: int | None = None,
 ) -> dict:
     """Write ``torch_module`` (obs ``[N, F]`` -> logits ``[N, k + 1]``) to ``path`` as a Feather ONNX policy.
 
     ``num_candidates`` (``k``): None takes ``torch_module.num_candidates`` when it has one
-    (:class:`PolicyLogits`), else 1.
+    (:class:`PolicyLogits`), else 1. ``max_wait_steps``: the training bound, recorded
+    (:func:`onnx_metadata`).
 
     ``observations`` are the real observations for the parity check; by default they are
     sampled from the env with ``profile`` and ``workload``. Returns the parity report
@@ -181,7 +185,7 @@ def export_policy_module(
     )
     model = program.model_proto
     onnx.helper.set_model_props(model, onnx_metadata(profile=profile, workload=workload, trained_at=trained_at,
-                                                     num_candidates=k))
+                                                     num_candidates=k, max_wait_steps=max_wait_steps))
     onnx.checker.check_model(model, full_check=True)
     path.parent.mkdir(parents=True, exist_ok=True)
     onnx.save_model(model, path)

@@ -198,7 +198,7 @@ def export_clone(algo, config: TrainConfig, path: Path) -> Path:
 
     module = learner_module(algo)
     export_policy_module(PolicyLogits(copy.deepcopy(module)), path, profile=config.profile,
-                         workload=list(config.workloads))
+                         workload=list(config.workloads), max_wait_steps=config.max_wait_steps)
     return path
 
 
@@ -259,7 +259,7 @@ def write_training_info(checkpoint: Path, config: TrainConfig, trained_at: datet
     from feather_gym.observation import OBS_VERSION
 
     info = {"profile": config.profile, "workloads": list(config.workloads), "trained_at": trained_at.isoformat(),
-            "obs_version": OBS_VERSION}
+            "obs_version": OBS_VERSION, "max_wait_steps": config.max_wait_steps}
     (checkpoint / TRAINING_INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
 
 
@@ -326,7 +326,8 @@ def train(config: TrainConfig, *, progress: Callable[[str], None] = print) -> di
 
     policy_path = out / "policy.onnx"
     parity = export_policy_module(load_policy_network(checkpoint), policy_path, profile=config.profile,
-                                  workload=list(config.workloads), trained_at=trained_at)
+                                  workload=list(config.workloads), trained_at=trained_at,
+                                  max_wait_steps=config.max_wait_steps)
     progress(f"exported {policy_path} (max abs diff vs torch: random {parity['max_abs_diff_random']:.2g}, "
              f"real {parity['max_abs_diff_real']:.2g})")
     eval_start = time.monotonic()
