@@ -55,7 +55,7 @@ class AdmissionStats:
     adds: int = 0               # ... and answered ADD
     stops: int = 0              # ... and answered STOP
     forced_resumed: int = 0     # rule 1
-    forced_wait: int = 0        # rule 2: the waiting-time bound chose (a request failing vLLM's KV check counts again next step)
+    forced_wait: int = 0        # rule 2: the bound chose (one failing vLLM's KV check counts again next step)
     forced_idle: int = 0        # rule 4
     fallbacks: int = 0          # rule 5: the policy call raised
     fcfs_admissions: int = 0    # admissions decided FCFS after a fallback in the same step

@@ -32,7 +32,7 @@ def register(commands) -> None:
                        help="model dtype (default float32: outputs must be token-identical)")
     bench.add_argument("--max-input-tokens", type=int, default=None, help="cut prompts to this many tokens")
     bench.add_argument("--max-output-tokens", type=int, default=None, help="cut outputs to this many tokens")
-    bench.add_argument("--max-wait-steps", type=int, default=None,
+    bench.add_argument("--max-wait-steps", type=int, default=DEFAULT_MAX_WAIT_STEPS,
                        help=f"Feather waiting-time bound in engine steps (default {DEFAULT_MAX_WAIT_STEPS})")
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--json", action="store_true", help="print the report as one JSON object (last line)")

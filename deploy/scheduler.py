@@ -129,7 +129,8 @@ def load_deployable_policy(spec: str, *, device: str = "cpu"):
     policy = make_policy(spec, device=device)
     if spec in SIMULATOR_ONLY or type(policy.make_order()) is not CHTOrder:
         raise ValueError(f"policy {spec!r} cannot run in the Feather scheduler, which proposes the CHT's "
-                         "candidates: use 'feather-rule', 'cht', 'cht-dfs' or a *.onnx policy (vLLM's own scheduler is FCFS)")
+                         "candidates: use 'feather-rule', 'cht', 'cht-dfs' or a *.onnx policy "
+                         "(vLLM's own scheduler is FCFS)")
     return policy
 
 
@@ -155,7 +156,7 @@ def build_admission(config: FeatherConfig, *, num_running: Callable[[], int], kv
         logger.info("Feather policy %s loaded (%s, trained on %s / %s)", config.policy, runtime.provider,
                     runtime.metadata.get("feather.profile"), runtime.metadata.get("feather.workload"))
         trained_bound = runtime.metadata.get("feather.max_wait_steps")
-        if trained_bound is not None and int(trained_bound) != config.max_wait_steps:
+        if trained_bound not in (None, str(config.max_wait_steps)):
             logger.warning("Feather policy %s was trained with max_wait_steps=%s and serves with %d: its "
                            "decisions meet states it was not trained in", config.policy, trained_bound,
                            config.max_wait_steps)

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from feather_gym.policies import DEFAULT_MAX_WAIT_STEPS
 from feather_gym.vllm_engine import resolve_kv_cache_gib, start_engine
 from traces.workload import ENGINE_SIZED_WORKLOADS
 
@@ -430,11 +431,11 @@ def compare(llm, trace, *, feather_kwargs: dict, rounds: int = DEFAULT_ROUNDS, o
 
 
 def serve_bench(policy: str, *, workloads: dict[str, str] | None = None, dtype: str = "float32",
-                rounds: int = DEFAULT_ROUNDS, max_wait_steps: int | None = None, max_input_tokens: int | None = None,
-                max_output_tokens: int | None = None, online: bool = DEFAULT_ONLINE, time_scale: float = 1.0,
-                kv_cache_gib: float | None = None, seed: int = 0) -> dict:
+                rounds: int = DEFAULT_ROUNDS, max_wait_steps: int = DEFAULT_MAX_WAIT_STEPS,
+                max_input_tokens: int | None = None, max_output_tokens: int | None = None,
+                online: bool = DEFAULT_ONLINE, time_scale: float = 1.0, kv_cache_gib: float | None = None,
+                seed: int = 0) -> dict:
     """The whole ``feather serve bench`` report: one engine, one :func:`compare` per workload."""
-    from feather_gym.policies import DEFAULT_MAX_WAIT_STEPS
     from deploy.scheduler import FeatherConfig, load_deployable_policy
     from traces import resolve_workload
 
@@ -445,8 +446,7 @@ def serve_bench(policy: str, *, workloads: dict[str, str] | None = None, dtype: 
     traces = {name: clip_lengths(resolve_workload(spec, seed=seed), max_input_tokens=max_input_tokens,
                                  max_output_tokens=max_output_tokens) for name, spec in workloads.items()}
     longest = max(r.input_len + r.output_len for t in traces.values() for r in t)
-    config = FeatherConfig(policy=policy,
-                           max_wait_steps=DEFAULT_MAX_WAIT_STEPS if max_wait_steps is None else max_wait_steps)
+    config = FeatherConfig(policy=policy, max_wait_steps=max_wait_steps)
     llm = start_engine(dtype=dtype, max_model_len=max(2048, longest), seed=seed, kv_cache_gib=kv_cache_gib)
     capacity = kv_capacity(llm)
     report = {"model": "SmolLM2-135M-Instruct", "dtype": dtype, "policy": policy, "rounds": rounds,

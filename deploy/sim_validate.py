@@ -176,7 +176,7 @@ def across_seeds(per_seed: dict[str, dict]) -> dict:
 def validate(workloads: dict[str, str], *, policies=DEFAULT_POLICIES, profile: str | None = None,
              rounds: int = 3, online: bool = DEFAULT_ONLINE, time_scale: float = 1.0,
              kv_cache_gib: float | None = None,
-             max_wait_steps: int | None = None, max_input_tokens: int | None = None,
+             max_wait_steps: int = DEFAULT_MAX_WAIT_STEPS, max_input_tokens: int | None = None,
              max_output_tokens: int | None = None, seed: int = 0, num_seeds: int = 1) -> dict:
     """The whole report: one engine, and per workload and seed the simulator and the engine on every policy."""
     from deploy.serve_bench import DEFAULT_BENCH_KV_CACHE_GIB, clip_lengths, kv_capacity, run_schedulers
@@ -194,7 +194,6 @@ def validate(workloads: dict[str, str], *, policies=DEFAULT_POLICIES, profile: s
             _deployable(name)
     profile = profile or hardware_profile()
     cost_model = load_cost_model(profile)
-    max_wait_steps = DEFAULT_MAX_WAIT_STEPS if max_wait_steps is None else max_wait_steps
     started = time.perf_counter()
     traces = {name: {s: clip_lengths(resolve_workload(spec, seed=s), max_input_tokens=max_input_tokens,
                                      max_output_tokens=max_output_tokens)
@@ -206,7 +205,8 @@ def validate(workloads: dict[str, str], *, policies=DEFAULT_POLICIES, profile: s
     capacity = kv_capacity(llm)
     engine_config = simulated_engine(llm, max_wait_steps=max_wait_steps)
     report = {"profile": cost_model.name, "policies": policies, "rounds": rounds, "seeds": list(seeds),
-              "online": online, "time_scale": time_scale, "max_wait_steps": max_wait_steps, "kv_cache_gib": kv_cache_gib,
+              "online": online, "time_scale": time_scale, "max_wait_steps": max_wait_steps,
+              "kv_cache_gib": kv_cache_gib,
               **capacity, "token_budget": engine_config.token_budget, "max_num_seqs": engine_config.max_num_seqs,
               "workloads": {}}
     sides = live_sides(policies, max_wait_steps=max_wait_steps)
@@ -289,7 +289,7 @@ def register(commands) -> None:
     add_submission_arguments(parser)
     parser.add_argument("--kv-cache-gib", type=float, default=None,
                         help="KV cache (GiB; default $VLLM_CPU_KVCACHE_SPACE, else the bench's 0.25)")
-    parser.add_argument("--max-wait-steps", type=int, default=None,
+    parser.add_argument("--max-wait-steps", type=int, default=DEFAULT_MAX_WAIT_STEPS,
                         help="the admission's waiting-time bound in engine steps (default %d)" % DEFAULT_MAX_WAIT_STEPS)
     parser.add_argument("--max-input-tokens", type=int, default=None)
     parser.add_argument("--max-output-tokens", type=int, default=None)

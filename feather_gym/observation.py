@@ -296,4 +296,3 @@ def observation_contract(k: int = DEFAULT_NUM_CANDIDATES) -> dict[str, object]:
         "feather.num_candidates": check_num_candidates(k),
         "feather.action_meanings": list(action_meanings(k)),
     }
-

@@ -203,7 +203,8 @@ def test_feather_config_from_additional_config(tmp_path):
     assert FeatherConfig.from_additional_config({}, environ={}) == FeatherConfig()
     assert FeatherConfig.from_additional_config(None, environ={"FEATHER_POLICY": "p.onnx"}).policy == "p.onnx"
     config = FeatherConfig.from_additional_config(
-        {"feather": {"policy": "x.onnx", "on_policy_error": "fcfs", "max_wait_steps": 3}}, environ={"FEATHER_POLICY": "p"})
+        {"feather": {"policy": "x.onnx", "on_policy_error": "fcfs", "max_wait_steps": 3}},
+        environ={"FEATHER_POLICY": "p"})
     assert config == FeatherConfig(policy="x.onnx", on_policy_error="fcfs", max_wait_steps=3)
     with pytest.raises(ValueError, match="unknown .* keys \\['max_wait_s'\\]; valid keys.*max_wait_steps"):
         FeatherConfig.from_additional_config({"feather": {"max_wait_s": 10}}, environ={})

@@ -20,7 +20,8 @@ def files(tmp_path_factory):
     root = tmp_path_factory.mktemp("k-policies")
     one = policies.untrained_policy(root / "k1.onnx")
     four = policies.untrained_policy(root / "k4.onnx", k=4)
-    return {"k1": one, "k4": four, "obs-3": policies.with_metadata(one, root / "obs-3.onnx", obs_version="feather-obs-3"),
+    return {"k1": one, "k4": four,
+            "obs-3": policies.with_metadata(one, root / "obs-3.onnx", obs_version="feather-obs-3"),
             "k4-says-2": policies.with_metadata(four, root / "k4-says-2.onnx", num_candidates=2),
             "k1-no-k": policies.with_metadata(one, root / "k1-bad-k.onnx", num_candidates="four")}
 
