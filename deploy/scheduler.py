@@ -41,7 +41,6 @@ import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from functools import partial
 
 from deploy.vllm_compat import require_supported_vllm
 
@@ -100,8 +99,19 @@ class FeatherConfig:
         """The watcher of the policy file; None for a policy that is no file or with reloading off."""
         if self.policy_reload_s is None or not (self.policy or "").endswith(".onnx"):
             return None
-        return PolicyReloader(self.policy, partial(load_deployable_policy, device=self.device),
-                              interval_s=self.policy_reload_s)
+        return PolicyReloader(self.policy, self.load_policy, interval_s=self.policy_reload_s)
+
+    def load_policy(self, spec: str):
+        """:func:`load_deployable_policy` on this config's device, at start and on every reload alike;
+        logs a warning when an ONNX policy records another waiting-time bound than this config
+        serves with (its decisions then meet states it was not trained in)."""
+        policy = load_deployable_policy(spec, device=self.device)
+        runtime = getattr(policy, "runtime", None)
+        trained_bound = runtime.metadata.get("feather.max_wait_steps") if runtime is not None else None
+        if trained_bound not in (None, str(self.max_wait_steps)):
+            logger.warning("Feather policy %s was trained with max_wait_steps=%s and serves with %d: its "
+                           "decisions meet states it was not trained in", spec, trained_bound, self.max_wait_steps)
+        return policy
 
     @classmethod
     def from_additional_config(cls, additional_config: Mapping | None,
@@ -145,7 +155,7 @@ def build_admission(config: FeatherConfig, *, num_running: Callable[[], int], kv
         if config.policy is None:
             raise FileNotFoundError(f"no policy configured (set additional_config['{ADDITIONAL_CONFIG_KEY}']"
                                     f"['policy'] or ${POLICY_ENV})")
-        policy = load_deployable_policy(config.policy, device=config.device)
+        policy = config.load_policy(config.policy)
     except (OSError, ValueError) as exc:
         if config.on_policy_error == "refuse":
             raise PolicyStartupError(f"Feather scheduler refuses to start: {exc}") from exc
@@ -155,11 +165,6 @@ def build_admission(config: FeatherConfig, *, num_running: Callable[[], int], kv
     if runtime is not None:
         logger.info("Feather policy %s loaded (%s, trained on %s / %s)", config.policy, runtime.provider,
                     runtime.metadata.get("feather.profile"), runtime.metadata.get("feather.workload"))
-        trained_bound = runtime.metadata.get("feather.max_wait_steps")
-        if trained_bound not in (None, str(config.max_wait_steps)):
-            logger.warning("Feather policy %s was trained with max_wait_steps=%s and serves with %d: its "
-                           "decisions meet states it was not trained in", config.policy, trained_bound,
-                           config.max_wait_steps)
     return PolicyAdmission(policy, num_running=num_running, kv_usage=kv_usage, max_num_seqs=max_num_seqs,
                            max_wait_steps=config.max_wait_steps, resumable=resumable)
 

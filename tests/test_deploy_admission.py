@@ -7,6 +7,8 @@ test_deploy_live.py for that).
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 import time
 
 import numpy as np
@@ -250,6 +252,15 @@ def test_serving_with_another_waiting_bound_than_trained_warns(files, tmp_path, 
         build_admission(FeatherConfig(policy=str(trained), max_wait_steps=32), **hooks)
         assert "trained with max_wait_steps" not in caplog.text
         build_admission(FeatherConfig(policy=str(trained), max_wait_steps=8), **hooks)
+    assert "trained with max_wait_steps=32 and serves with 8" in caplog.text
+    # A policy swapped in later is checked alike: the reloader loads through the same config.
+    caplog.clear()
+    served = tmp_path / "served.onnx"
+    shutil.copy(files["add"], served)
+    reloader = FeatherConfig(policy=str(served), max_wait_steps=8, policy_reload_s=0.0).make_reloader()
+    os.replace(trained, served)
+    with caplog.at_level(logging.WARNING, logger="deploy.scheduler"):
+        assert reloader.poll() is not None
     assert "trained with max_wait_steps=32 and serves with 8" in caplog.text
 
 

@@ -167,7 +167,7 @@ def test_a_policy_may_admit_another_slot_when_slot_0_does_not_fit_as_deployed(be
 
 
 def test_ratios_to_first_and_across_seeds_share_one_definition_on_both_sides():
-    from deploy.sim_validate import FIGURES, across_seeds, compare_sides
+    from deploy.sim_validate import FIGURES, RANKING_TIE, across_seeds, compare_sides
 
     def side(fcfs, rule):
         figures = dict.fromkeys(set(FIGURES) - {"output_tok_s"}, 1.0)
@@ -189,6 +189,10 @@ def test_ratios_to_first_and_across_seeds_share_one_definition_on_both_sides():
     assert faster["ratio_to_first"] == {"feather-rule": {"sim": 1.1, "live": 1.05, "error": round(1.1 / 1.05 - 1, 4)}}
     assert faster["policies"]["fcfs"]["output_tok_s"]["error"] == 1.0       # a machine twice as slow as its profile
     assert faster["same_ranking"] and not slower["same_ranking"]
+    # A pair the simulator ties makes no claim on the live order; one it separates does.
+    tied = compare_sides(sim_side(10.0, 10.0 * (1 + RANKING_TIE / 2)), live_side(5.0, 4.5, [[1, 2, 5]]))
+    assert tied["same_ranking"] and tied["targets_met"]["ranking"]
+    assert not compare_sides(sim_side(10.0, 10.0 * (1 + 2 * RANKING_TIE)), live_side(5.0, 4.5, [[1, 2, 5]]))["same_ranking"]
     summary = across_seeds({"0": faster, "1": slower})
     assert summary["num_seeds"] == 2 and summary["seeds_same_ranking"] == 1
     assert summary["same_first_step_fraction"] == {"fcfs": 1.0,
