@@ -91,8 +91,8 @@ def test_bad_input_fails_fast_with_a_clear_error(tmp_path, capsys, argv, message
     ({"workload_instances": 0}, "workload_instances: must be in"),
     ({"clone_smoothing": 1.0}, "clone_smoothing: must be in"),
     ({"loss_aversion": 0.5}, "loss_aversion: must be >= 1"),
-    ({"improve_warm_start": 0.03, "warm_start": "none"}, "improve_warm_start: improves the warm-start baseline"),
     ({"improve_warm_start": -0.1}, "improve_warm_start: the minimum gain must be >= 0"),
+    ({"improve_actions": "slots"}, "improve_actions: one of stop, any"),
 ])
 def test_bad_training_settings_name_the_setting(settings, message):
     with pytest.raises(ValueError, match=message):
@@ -143,11 +143,15 @@ def test_seed_sets_follow_the_env_runners_and_the_warm_start():
     assert sets["training env seeds (seed + 1000 x env runner)"] == (1_005, 2_005)
     several = TrainConfig(workloads=SMALL, seed=5, num_env_runners=2, workload_instances=3).seed_sets()
     assert several["training env seeds (seed + 1000 x env runner)"] == (1_005, 1_006, 1_007, 2_005, 2_006, 2_007)
-    assert sets["warm-start demonstration seeds"] == (50_000, 50_001, 50_002, 50_003)
-    # The playout-improved warm start records 16 seeds, and the flag sets it.
+    # The playout-improved warm start (the default) records 16 seeds; the flag sets its gain or turns it off.
+    assert sets["warm-start demonstration seeds"] == tuple(range(50_000, 50_016))
     improved = build_config({"workloads": list(SMALL)}, flags(["--improve-warm-start", "0.02"]))
-    assert improved.improve_warm_start == 0.02
-    assert improved.seed_sets()["warm-start demonstration seeds"] == tuple(range(50_000, 50_016))
+    assert improved.improve_warm_start == 0.02 and improved.improve_actions == "stop"
+    plain = build_config({"workloads": list(SMALL), "improve_warm_start": 0.02}, flags(["--improve-warm-start", "off"]))
+    assert plain.improve_warm_start is None
+    assert plain.seed_sets()["warm-start demonstration seeds"] == (50_000, 50_001, 50_002, 50_003)
+    with pytest.raises(SystemExit):
+        flags(["--improve-warm-start", "some"])
     assert TrainConfig(num_env_runners=0, seed=5).training_env_seeds() == (5,)     # the local runner's envs
     # Without a warm start (or when resuming) no demonstrations are recorded: their seeds are free.
     TrainConfig(workloads=SMALL, warm_start="none", validation_seeds=(50_001,)).validate()

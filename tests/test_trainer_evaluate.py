@@ -7,7 +7,7 @@ import traces
 from feather_gym.policies import BASELINES, make_policy
 from trainer.evaluate import (POLICY_LABEL, TIE_TOLERANCE, Benchmark, format_table, paired_ratio, paired_sign,
                               slower_workloads, validation_score)
-from trainer.train import beyond_clone
+from trainer.train import beyond
 
 WORKLOADS = ("prefix-groups:num_requests=120,groups=3,rate=100", "no-sharing:num_requests=120")
 
@@ -96,13 +96,13 @@ def test_slower_workloads_pairs_two_evaluations_of_one_benchmark(heavy_bench):
     assert slower_workloads(rule, fcfs) == [] and slower_workloads(rule, rule) == []
 
 
-def test_beyond_clone_counts_only_differences_beyond_noise():
+def test_beyond_a_reference_counts_only_differences_beyond_noise():
     def result(spec, mean, sem):
         pair = {"ratio_mean": mean, "ratio_sem": sem, "runs_faster": 0, "runs_slower": 0}
         return {"workload": spec, "trained_over_reference": {"clone": mean}, "trained_over_reference_paired": {"clone": pair}}
 
-    clone = beyond_clone({"workloads": [result("learned", 1.01, 0.004), result("noise", 1.01, 0.006),
-                                        result("lost", 0.99, 0.001), result("tie", 1 + TIE_TOLERANCE / 2, 0.0)]})
+    clone = beyond({"workloads": [result("learned", 1.01, 0.004), result("noise", 1.01, 0.006),
+                                  result("lost", 0.99, 0.001), result("tie", 1 + TIE_TOLERANCE / 2, 0.0)]}, "clone")
     assert clone["better_on"] == ["learned"] and clone["worse_on"] == ["lost"]
     assert clone["ratio_by_workload"]["noise"] == 1.01 and clone["paired_by_workload"]["tie"]["ratio_sem"] == 0.0
 

@@ -14,7 +14,7 @@ from trainer.train import train
 WORKLOADS = ("prefix-groups:num_requests=48,groups=3,rate=100", "no-sharing:num_requests=48")
 TINY = dict(workloads=WORKLOADS, num_env_runners=0, envs_per_env_runner=2, window_requests=32, train_batch_size=256,
             minibatch_size=128, num_epochs=1, hidden_sizes=(16,), eval_seeds=(10_001,), validation_seeds=(20_001,),
-            validate_every=1)
+            validate_every=1, improve_warm_start=None)
 
 
 def fake_run(root: Path, **config) -> Path:

@@ -34,7 +34,7 @@ def test_tiny_training_run_exports_a_valid_policy(tmp_path, capsys, monkeypatch)
     config = TrainConfig(workloads=WORKLOADS, profile="h100", iterations=2, num_env_runners=0,
                          envs_per_env_runner=2, window_requests=32, train_batch_size=256, minibatch_size=128,
                          num_epochs=1, hidden_sizes=(16,), eval_seeds=(10_001,), validation_seeds=(20_001,),
-                         validate_every=1, num_candidates=1, output_dir=Path("run"))
+                         validate_every=1, num_candidates=1, improve_warm_start=None, output_dir=Path("run"))
     summary = train(config, progress=print)
     out = tmp_path / "run"
 
@@ -47,6 +47,11 @@ def test_tiny_training_run_exports_a_valid_policy(tmp_path, capsys, monkeypatch)
     # Warm start from the Feather rule, then the greedy network validated before and after each iteration;
     # the checkpoint is the best-validated one.
     assert "warm start: cloned feather-rule" in progress and summary["warm_start"]["decisions"] > 0
+    # Cloned as it is (improve_warm_start off: playouts cost minutes), then evaluated beside the clone and
+    # the demonstrator it was recorded from.
+    assert "improved by playouts" not in progress and summary["warm_start"]["min_gain"] is None
+    assert "trained over the demonstrator (feather-rule as recorded)" in progress
+    assert set(summary["beyond_demonstrator"]["paired_by_workload"]) == set(WORKLOADS)
     assert [v["iteration"] for v in summary["validation"]["history"]] == [0, 1, 2]
     assert "validation after iteration 2" in progress
     assert summary["validation"]["best_iteration"] in (0, 1, 2)
@@ -71,7 +76,8 @@ def test_tiny_training_run_exports_a_valid_policy(tmp_path, capsys, monkeypatch)
 
     (result_a, result_b) = summary["evaluation"]["workloads"]
     for result in (result_a, result_b):
-        assert {"fcfs", "lpm", "dfs", "feather-rule", "group-label", "trained"} <= set(result["throughput_tok_s"])
+        assert {"fcfs", "lpm", "dfs", "feather-rule", "group-label", "clone", "demonstrator",
+                "trained"} <= set(result["throughput_tok_s"])
         assert result["ratio_to_fcfs"]["fcfs"] == 1.0 and result["throughput_tok_s"]["trained"] > 0
     assert result_a["target"].startswith(">= best heuristic") and result_b["target"].endswith("x fcfs")
 

@@ -110,3 +110,35 @@ def test_improved_labels_are_the_best_playouts_beyond_the_minimum_gain():
                                   seeds=range(1))
     np.testing.assert_array_equal(improved.obs, plain.obs)        # the rule's own states, relabelled
     assert improved.relabelled == int((improved.actions != plain.actions).sum()) > 0 and plain.relabelled == 0
+
+
+@pytest.mark.slow
+def test_recording_in_worker_processes_gives_the_same_demonstrations():
+    config = {**IMPROVE_CONFIG, "workloads": ["prefix-groups:groups=3,num_requests=48,rate=50"]}
+    alone = record_demonstrations("feather-rule", config, seeds=range(2), min_gain=MIN_GAIN, actions="stop")
+    pooled = record_demonstrations("feather-rule", config, seeds=range(2), min_gain=MIN_GAIN, actions="stop",
+                                   workers=2)
+    np.testing.assert_array_equal(pooled.obs, alone.obs)
+    np.testing.assert_array_equal(pooled.actions, alone.actions)
+    np.testing.assert_array_equal(pooled.returns, alone.returns)
+    assert pooled.relabelled == alone.relabelled > 0
+
+
+def test_improved_labels_restricted_to_stop_take_the_best_of_the_two():
+    env = BatchFormationEnv(IMPROVE_CONFIG)
+    rule = demonstrator("feather-rule")
+    env.reset(seed=1)
+    decisions = 0
+    while (point := env.admission_point) is not None and decisions < 12:
+        action = rule.decide(point)
+        futures = playout_futures(point.sim, 2)
+        returns = {a: np.mean([playout_return(env, rule, a, run) for run in futures]) for a in {action, 0}}
+        best = max(returns, key=returns.get)
+        label = improved_action(env, rule, action, MIN_GAIN, samples=2, actions="stop")
+        assert label == (best if returns[best] > returns[action] + MIN_GAIN else action) and label in (action, 0)
+        decisions += 1
+        _, _, terminated, truncated, _ = env.step(action)
+        if terminated or truncated:
+            break
+    with pytest.raises(ValueError, match="actions: one of"):
+        improved_action(env, rule, 0, MIN_GAIN, actions="slots")

@@ -30,7 +30,17 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
-from trainer.config import DEFAULT_MIXES, TrainConfig, build_config, load_config_file
+from trainer.config import DEFAULT_MIXES, OFF, TrainConfig, build_config, load_config_file
+
+
+def min_gain(text: str) -> float | str:
+    """``--improve-warm-start``'s value: a minimum gain, or :data:`~trainer.config.OFF` (no improvement)."""
+    if text == OFF:
+        return OFF
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a minimum gain (e.g. 0.01) or off, got {text!r}") from None
 
 
 def build_train_parser() -> argparse.ArgumentParser:
@@ -52,7 +62,8 @@ def build_train_parser() -> argparse.ArgumentParser:
     budget = parser.add_mutually_exclusive_group()
     budget.add_argument("--iterations", type=int, help="train for exactly N PPO iterations")
     budget.add_argument("--time-budget", dest="time_budget_s", type=float, metavar="SECONDS",
-                        help=f"train until another iteration would exceed this (default {defaults.time_budget_s:.0f})")
+                        help="warm-start and train until another iteration would exceed this "
+                             f"(default {defaults.time_budget_s:.0f})")
     parser.add_argument("--env-runners", dest="num_env_runners", type=int,
                         help=f"RLlib env runner processes (default {defaults.num_env_runners})")
     parser.add_argument("--seed", type=int, help=f"training seed (default {defaults.seed})")
@@ -67,11 +78,14 @@ def build_train_parser() -> argparse.ArgumentParser:
                              f"chooses among its K best prefix groups or STOP (default {defaults.num_candidates})")
     parser.add_argument("--warm-start", metavar="BASELINE",
                         help=f"baseline cloned into the network before PPO, or none (default {defaults.warm_start})")
-    parser.add_argument("--improve-warm-start", type=float, metavar="MIN_GAIN",
+    parser.add_argument("--improve-warm-start", type=min_gain, metavar="MIN_GAIN|off",
                         help="clone one step of policy iteration on the warm-start baseline instead of the baseline: "
                              "a decision takes the action of the best simulated playout (mean over sampled "
-                             "output-length futures) where it gains over MIN_GAIN (a share of the window's time, "
-                             "e.g. 0.01) on the baseline's (default: off)")
+                             "output-length futures) where it gains over MIN_GAIN (a share of the window's time) "
+                             f"on the baseline's; off clones the baseline as it is (default {defaults.improve_warm_start})")
+    parser.add_argument("--improve-actions", choices=("stop", "any"),
+                        help="what an improved label may take instead of the baseline's action: STOP only, or any "
+                             f"action (default {defaults.improve_actions})")
     parser.add_argument("--ray-address", help="train on an existing Ray cluster (e.g. auto, ray://host:10001); "
                                               "default: start a local Ray")
     parser.add_argument("--json", action="store_true", help="print the run summary as one JSON object on the last line")
@@ -93,7 +107,7 @@ def build_export_parser() -> argparse.ArgumentParser:
 
 #: Settings a resumed run does not take over from the run it continues: where and how long it runs.
 NOT_RESUMED = ("output_dir", "resume", "iterations", "time_budget_s", "ray_address", "warm_start",
-               "improve_warm_start")
+               "improve_warm_start", "improve_actions")
 
 
 def resumed_run(resume: Path) -> tuple[Path, dict]:

@@ -72,8 +72,9 @@ class TrainConfig:
     """One training run. Every field can be set in a config file or by a flag of the same name.
 
     Budget: training stops after ``iterations`` PPO iterations when given, otherwise when
-    another iteration would overrun ``time_budget_s`` (wall time spent in ``algo.train()``;
-    Ray start-up, evaluation and export come on top, about a minute here).
+    another iteration would overrun ``time_budget_s``: the wall time of the warm start (its
+    playouts, with ``improve_warm_start``) and of ``algo.train()`` together, at least one
+    iteration. Ray start-up, evaluation and export come on top, about a minute here.
     """
 
     workloads: tuple[str, ...] | None = None     # None: DEFAULT_MIXES of the profile's device
@@ -115,8 +116,13 @@ class TrainConfig:
     # a demonstrated decision is relabelled with the action whose simulated playouts (that action,
     # then the baseline, on sampled output-length futures) return more on average than the
     # baseline's action by over this gain (a share of the window's time;
-    # trainer.warm_start.improved_action). None: clone the baseline as it is.
-    improve_warm_start: float | None = None
+    # trainer.warm_start.improved_action). None: clone the baseline as it is. Like the warm start,
+    # ignored with warm_start none and when resuming.
+    improve_warm_start: float | None = 0.01
+    # The actions an improved label may take instead of the baseline's: "stop" (STOP only) or
+    # "any" (STOP or any filled candidate slot; 2.5x the playouts with k = 4). STOP by default:
+    # with "any" the slot relabels cost a significant loss held out (README, "Measured here").
+    improve_actions: str = "stop"
     # Label smoothing of the cloning loss: the clone keeps this much probability off the
     # demonstrator's action, so PPO's sampled episodes still try the other actions.
     clone_smoothing: float = 0.1
@@ -193,11 +199,12 @@ class TrainConfig:
 
             read_training_info(self.resume)                      # another observation contract fails here,
             load_policy_network(self.resume)                     # and a corrupted checkpoint, before Ray
-        if self.improve_warm_start is not None:
-            if self.warm_start == "none":
-                raise ValueError("improve_warm_start: improves the warm-start baseline; warm_start is none")
-            if not self.improve_warm_start >= 0:
-                raise ValueError(f"improve_warm_start: the minimum gain must be >= 0, got {self.improve_warm_start}")
+        if self.improve_warm_start is not None and not self.improve_warm_start >= 0:
+            raise ValueError(f"improve_warm_start: the minimum gain must be >= 0, got {self.improve_warm_start}")
+        from trainer.warm_start import IMPROVE_ACTIONS
+
+        if self.improve_actions not in IMPROVE_ACTIONS:
+            raise ValueError(f"improve_actions: one of {', '.join(IMPROVE_ACTIONS)}, got {self.improve_actions!r}")
         if self.warm_start != "none":
             from feather_gym.policies import BASELINES
 
@@ -296,9 +303,15 @@ def load_config_file(path: str | Path) -> dict:
     return {key: _coerce(key, value, source=str(path)) for key, value in data.items()}
 
 
+#: A flag's value that sets an optional setting to None (a flag not given is None and overrides nothing).
+OFF = "off"
+
+
 def build_config(file_settings: dict, flag_settings: dict) -> TrainConfig:
-    """Defaults < file < flags (flags that were not given are ``None`` and do not override)."""
-    settings = {**file_settings, **{k: v for k, v in flag_settings.items() if v is not None}}
+    """Defaults < file < flags (flags that were not given are ``None`` and do not override;
+    one given as :data:`OFF` sets its setting to None)."""
+    flags = {k: None if v == OFF else v for k, v in flag_settings.items() if v is not None}
+    settings = {**file_settings, **flags}
     return TrainConfig(**{key: _coerce(key, value, source="flag") for key, value in settings.items()})
 
 

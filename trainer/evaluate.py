@@ -172,13 +172,15 @@ def validation_score(evaluation: dict) -> tuple[float, float]:
 
 
 def evaluate_policy(policy_path: str | Path, *, workloads: Sequence[str], profile: str,
-                    seeds: Sequence[int], engine=None, references: Mapping[str, str | Path] | None = None) -> dict:
+                    seeds: Sequence[int], engine=None, references: Mapping[str, object] | None = None) -> dict:
     """:meth:`Benchmark.evaluate` of the ONNX policy file ``policy_path`` (``engine``: an
-    ``EngineConfig``, default the profile's), beside the ``references`` (label -> ONNX file)."""
-    from feather_gym.policies import make_policy
+    ``EngineConfig``, default the profile's), beside the ``references`` (label -> ONNX file or
+    :class:`~feather_gym.policies.Policy`)."""
+    from feather_gym.policies import Policy, make_policy
 
     return Benchmark(workloads=workloads, profile=profile, seeds=seeds, engine=engine).evaluate(
-        make_policy(str(policy_path)), {label: make_policy(str(path)) for label, path in (references or {}).items()})
+        make_policy(str(policy_path)),
+        {label: ref if isinstance(ref, Policy) else make_policy(str(ref)) for label, ref in (references or {}).items()})
 
 
 def format_table(evaluation: dict) -> str:

@@ -38,6 +38,7 @@ from trainer.logs import IterationRecord, RunLog
 RLLIB_ENV_NAME = "feather-batch-formation"
 TRAINING_INFO_FILE = "feather_training.json"   # inside the checkpoint: what export needs to label the policy
 CLONE_FILE, CLONE_LABEL = "clone.onnx", "clone"   # the warm-start clone, evaluated beside the trained policy
+DEMONSTRATOR_LABEL = "demonstrator"   # the policy the warm start recorded (trainer.warm_start.demonstrator), likewise
 
 
 def make_training_env(env_context):
@@ -202,28 +203,39 @@ def export_clone(algo, config: TrainConfig, path: Path) -> Path:
     return path
 
 
-def beyond_clone(evaluation: dict) -> dict:
-    """Per workload, the trained policy's throughput over the warm-start clone's (ratio of the
+def beyond(evaluation: dict, label: str) -> dict:
+    """Per workload, the trained policy's throughput over reference ``label``'s (ratio of the
     means, and the per-run paired ratio of :func:`trainer.evaluate.paired_ratio`), and the
     workloads where the paired ratio is significantly above or below 1
-    (:func:`trainer.evaluate.paired_sign`): what PPO learned, and what it lost, beyond noise."""
+    (:func:`trainer.evaluate.paired_sign`). Over the warm-start clone: what PPO learned and lost
+    beyond noise; over the demonstrator: what the whole run (improved warm start and PPO) did."""
     from trainer.evaluate import paired_sign
 
     ratios, paired = {}, {}
     for result in evaluation["workloads"]:
         spec = result["workload"]
-        ratios[spec] = result["trained_over_reference"][CLONE_LABEL]
-        paired[spec] = result["trained_over_reference_paired"][CLONE_LABEL]
+        ratios[spec] = result["trained_over_reference"][label]
+        paired[spec] = result["trained_over_reference_paired"][label]
     return {"ratio_by_workload": ratios, "paired_by_workload": paired,
             "better_on": [spec for spec, pair in paired.items() if paired_sign(pair) > 0],
             "worse_on": [spec for spec, pair in paired.items() if paired_sign(pair) < 0]}
 
 
+def _beyond_lines(report: dict, what: str) -> list[str]:
+    pairs = ", ".join(f"{spec.partition(':')[0]} {pair['ratio_mean']:.4f} +- {pair['ratio_sem']:.4f} "
+                      f"({pair['runs_faster']}/{pair['runs_slower']})" for spec, pair in report["paired_by_workload"].items())
+    return [f"trained over {what}, per-run paired ratio (mean +- standard error; runs faster/slower): {pairs}",
+            f"significantly better than {what} on: {', '.join(report['better_on']) or 'none'}; "
+            f"worse on: {', '.join(report['worse_on']) or 'none'}"]
+
+
 def train_loop(algo, config: TrainConfig, run_log: RunLog, best: BestCheckpoint, *,
-               progress: Callable[[str], None]) -> float:
-    """Call ``algo.train()`` until the iteration count or time budget is spent, validating every
-    ``config.validate_every`` iterations and after the last; returns seconds spent."""
+               progress: Callable[[str], None], spent_s: float = 0.0) -> float:
+    """Call ``algo.train()`` (at least once) until the iteration count or the time budget is
+    spent, ``spent_s`` of it before the loop (the warm start), validating every
+    ``config.validate_every`` iterations and after the last; returns seconds spent in the loop."""
     start = time.monotonic()
+    budget_s = config.time_budget_s - spent_s
     done = 0
     while True:
         algo_result = algo.train()
@@ -235,8 +247,8 @@ def train_loop(algo, config: TrainConfig, run_log: RunLog, best: BestCheckpoint,
             left = (config.iterations - done) * per_iteration
             finished = done >= config.iterations
         else:
-            left = max(config.time_budget_s - elapsed, 0.0)
-            finished = elapsed + per_iteration > config.time_budget_s
+            left = max(budget_s - elapsed, 0.0)
+            finished = elapsed + per_iteration > budget_s
         progress(_progress_line(record, left))
         if finished or done % config.validate_every == 0:
             progress(best.validate(record.iteration))
@@ -286,7 +298,7 @@ def train(config: TrainConfig, *, progress: Callable[[str], None] = print) -> di
     """Run the whole job of the module docstring; returns the summary (also in summary.json)."""
     from trainer.evaluate import evaluate_policy, format_table
     from trainer.export import export_policy_module, load_policy_network
-    from trainer.warm_start import warm_start
+    from trainer.warm_start import demonstrator, warm_start
 
     config = config.resolved()
     config.validate()
@@ -301,12 +313,13 @@ def train(config: TrainConfig, *, progress: Callable[[str], None] = print) -> di
         algo = build_algorithm(config)
         try:
             warm = clone_path = None
+            learning_start = time.monotonic()
             if config.resume:
                 restore(algo, config.resume)
                 progress(f"resumed from {config.resume}")
             elif config.warm_start != "none":
                 warm = warm_start(algo, config.warm_start, env_config(config), smoothing=config.clone_smoothing,
-                                  min_gain=config.improve_warm_start)
+                                  min_gain=config.improve_warm_start, actions=config.improve_actions)
                 improved = (f" improved by playouts ({warm['relabelled']:,} labels changed, {warm['record_s']:.0f} s)"
                             if warm["min_gain"] is not None else "")
                 progress(f"warm start: cloned {warm['policy']}{improved} from {warm['decisions']:,} decisions "
@@ -316,7 +329,8 @@ def train(config: TrainConfig, *, progress: Callable[[str], None] = print) -> di
             best = BestCheckpoint(algo, config, checkpoint)
             progress(best.validate(algo.iteration))   # 0, or the resumed checkpoint's iteration
             setup_s = time.monotonic() - job_start
-            train_s = train_loop(algo, config, run_log, best, progress=progress)
+            train_s = train_loop(algo, config, run_log, best, progress=progress,
+                                 spent_s=time.monotonic() - learning_start)
         finally:
             algo.stop()
     trained_at = datetime.now(timezone.utc)
@@ -331,18 +345,16 @@ def train(config: TrainConfig, *, progress: Callable[[str], None] = print) -> di
     progress(f"exported {policy_path} (max abs diff vs torch: random {parity['max_abs_diff_random']:.2g}, "
              f"real {parity['max_abs_diff_real']:.2g})")
     eval_start = time.monotonic()
+    references = {CLONE_LABEL: clone_path, DEMONSTRATOR_LABEL: demonstrator(config.warm_start)} if clone_path else None
     evaluation = evaluate_policy(policy_path, workloads=config.evaluation_workloads(), profile=config.profile,
-                                 seeds=config.eval_seeds, engine=config.engine(),
-                                 references={CLONE_LABEL: clone_path} if clone_path else None)
+                                 seeds=config.eval_seeds, engine=config.engine(), references=references)
     progress(format_table(evaluation))
-    clone = beyond_clone(evaluation) if clone_path else None
-    if clone:
-        progress("trained over its warm-start clone, per-run paired ratio (mean +- standard error; runs faster/slower): "
-                 + ", ".join(f"{spec.partition(':')[0]} {pair['ratio_mean']:.4f} +- {pair['ratio_sem']:.4f} "
-                             f"({pair['runs_faster']}/{pair['runs_slower']})"
-                             for spec, pair in clone["paired_by_workload"].items()))
-        progress(f"significantly better than the clone on: {', '.join(clone['better_on']) or 'none'}; "
-                 f"worse on: {', '.join(clone['worse_on']) or 'none'}")
+    clone = beyond(evaluation, CLONE_LABEL) if clone_path else None
+    shown = beyond(evaluation, DEMONSTRATOR_LABEL) if clone_path else None
+    if clone_path:
+        for line in (_beyond_lines(clone, "its warm-start clone")
+                     + _beyond_lines(shown, f"the demonstrator ({config.warm_start} as recorded)")):
+            progress(line)
     summary = {
         "config": config.to_json(),
         "trained_at": trained_at.isoformat(),
@@ -361,6 +373,7 @@ def train(config: TrainConfig, *, progress: Callable[[str], None] = print) -> di
         "export_parity": parity,
         "evaluation": evaluation,
         "beyond_clone": clone,
+        "beyond_demonstrator": shown,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary

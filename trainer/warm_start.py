@@ -34,7 +34,10 @@ observation cannot tell them) and their clones did not carry to held-out seeds, 
 the sampled ones do on no-sharing (README, "Measured here"). The threshold keeps the labels the
 network can learn from its observation. The episodes follow the heuristic, so the states are the
 heuristic's; the improved labels need more demonstrations and epochs (:data:`IMPROVED`) than the
-heuristic's own.
+heuristic's own. ``actions`` (``TrainConfig.improve_actions``) limits the alternatives tried to
+STOP (``"stop"``, the default: two playouts per future and decision) or allows every filled slot
+(``"any"``); a decision with nothing to try keeps the heuristic's label unplayed. The episodes are
+independent, so they are recorded in one spawned process per core.
 
 The cross-entropy is label-smoothed (``TrainConfig.clone_smoothing``, 0.1 by default): a clone
 fitted to one-hot labels puts all probability on the demonstrator's action, the rule admits only
@@ -45,6 +48,7 @@ the clone. Smoothed, the other actions keep a little probability each.
 from __future__ import annotations
 
 import copy
+import os
 import time
 from dataclasses import dataclass
 
@@ -105,53 +109,81 @@ def playout_return(env, policy, action: int, output_len: np.ndarray | None = Non
     return total
 
 
+#: The actions an improved label may take instead of the demonstrator's (``TrainConfig.improve_actions``):
+#: ``"stop"``, STOP only (two playouts per future and decision); ``"any"``, STOP or any filled slot.
+IMPROVE_ACTIONS = ("stop", "any")
+
+
 def improved_action(env, policy, action: int, min_gain: float, *,
-                    samples: int | None = DEFAULT_PLAYOUT_SAMPLES) -> int:
+                    samples: int | None = DEFAULT_PLAYOUT_SAMPLES, actions: str = "any") -> int:
     """The action of the highest mean :func:`playout_return` at ``env``'s pending decision among
-    STOP and the filled candidate slots where it beats ``action``'s (the policy's own) by more
-    than ``min_gain``, else ``action``. The mean is over ``samples`` output-length futures
-    (:func:`~feather_gym.policies.playout_futures`, the same for every action); ``samples=None``
-    plays the true output lengths out once (clairvoyant)."""
+    the alternatives ``actions`` allows (:data:`IMPROVE_ACTIONS`) where it beats ``action``'s (the
+    policy's own) by more than ``min_gain``, else ``action``. The mean is over ``samples``
+    output-length futures (:func:`~feather_gym.policies.playout_futures`, the same for every
+    action); ``samples=None`` plays the true output lengths out once (clairvoyant)."""
+    if actions not in IMPROVE_ACTIONS:
+        raise ValueError(f"actions: one of {IMPROVE_ACTIONS}, got {actions!r}")
     point = env.admission_point
+    tried = point.distinct_actions if actions == "any" else sorted({action, 0})
+    if len(tried) == 1:
+        return action
     futures = playout_futures(point.sim, samples)
-    returns = {a: np.mean([playout_return(env, policy, a, future) for future in futures])
-               for a in point.distinct_actions}
+    returns = {a: np.mean([playout_return(env, policy, a, future) for future in futures]) for a in tried}
     best = max(returns, key=returns.get)
     return best if returns[best] > returns.get(action, -np.inf) + min_gain else action
 
 
-def record_demonstrations(policy_name: str, env_config: dict, *, seeds: range,
-                          min_gain: float | None = None) -> Demonstrations:
-    """Run :func:`demonstrator` of ``policy_name`` for one episode of every workload of
-    ``env_config`` at each workload seed of ``seeds``; with ``min_gain``, label each decision
-    with :func:`improved_action` instead of the demonstrator's action."""
+def record_episode(policy_name: str, env_config: dict, workload: str, seed: int,
+                   min_gain: float | None = None, actions: str = "any") -> Demonstrations:
+    """One episode of :func:`demonstrator` of ``policy_name`` on ``workload`` at workload seed
+    ``seed`` in the env of ``env_config``; with ``min_gain``, each decision labelled with
+    :func:`improved_action` (among ``actions``) instead of the demonstrator's action. Deterministic."""
     import gymnasium as gym
 
     from feather_gym.envs import ENV_ID
 
     policy = demonstrator(policy_name)
-    obs_rows, actions, returns = [], [], []
-    relabelled = 0
-    for workload in env_config["workloads"]:
-        for seed in seeds:
-            env = gym.make(ENV_ID, **{**env_config, "workloads": [workload], "seed": seed, "workload_instances": 1})
-            obs, _ = env.reset()
-            policy.reset()
-            rewards = []
-            done = False
-            while not done:
-                action = policy.decide(env.unwrapped.admission_point)
-                label = action if min_gain is None else improved_action(env.unwrapped, policy, action, min_gain)
-                relabelled += label != action
-                obs_rows.append(obs)
-                actions.append(label)
-                obs, reward, terminated, truncated, _ = env.step(action)
-                rewards.append(reward)
-                done = terminated or truncated
-            returns.extend(np.cumsum(rewards[::-1])[::-1])
-            env.close()
-    return Demonstrations(np.asarray(obs_rows, dtype=np.float32), np.asarray(actions, dtype=np.int64),
-                          np.asarray(returns, dtype=np.float32), relabelled)
+    env = gym.make(ENV_ID, **{**env_config, "workloads": [workload], "seed": seed, "workload_instances": 1})
+    obs, _ = env.reset()
+    policy.reset()
+    obs_rows, labels, rewards = [], [], []
+    relabelled, done = 0, False
+    while not done:
+        action = policy.decide(env.unwrapped.admission_point)
+        label = action if min_gain is None else improved_action(env.unwrapped, policy, action, min_gain,
+                                                                    actions=actions)
+        relabelled += label != action
+        obs_rows.append(obs)
+        labels.append(label)
+        obs, reward, terminated, truncated, _ = env.step(action)
+        rewards.append(reward)
+        done = terminated or truncated
+    env.close()
+    return Demonstrations(np.asarray(obs_rows, dtype=np.float32), np.asarray(labels, dtype=np.int64),
+                          np.cumsum(rewards[::-1])[::-1].astype(np.float32), relabelled)
+
+
+def record_demonstrations(policy_name: str, env_config: dict, *, seeds: range,
+                          min_gain: float | None = None, actions: str = "any", workers: int = 1) -> Demonstrations:
+    """:func:`record_episode` for every workload of ``env_config`` at each workload seed of
+    ``seeds``, concatenated in that order (workload-major). ``workers > 1`` records the episodes
+    in that many spawned processes (playouts are the costly part of an improved warm start);
+    the result is the same for any ``workers``."""
+    tasks = [(policy_name, env_config, workload, seed, min_gain, actions)
+             for workload in env_config["workloads"] for seed in seeds]
+    if workers > 1:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        # spawn, not fork: the driver may hold Ray's threads.
+        with ProcessPoolExecutor(min(workers, len(tasks)), mp_context=multiprocessing.get_context("spawn")) as pool:
+            episodes = list(pool.map(record_episode, *zip(*tasks)))
+    else:
+        episodes = [record_episode(*task) for task in tasks]
+    return Demonstrations(np.concatenate([episode.obs for episode in episodes]),
+                          np.concatenate([episode.actions for episode in episodes]),
+                          np.concatenate([episode.returns for episode in episodes]),
+                          sum(episode.relabelled for episode in episodes))
 
 
 def clone_into(module, demos: Demonstrations, *, epochs: int = 30, batch_size: int = 512, lr: float = 3e-3,
@@ -185,20 +217,26 @@ def clone_into(module, demos: Demonstrations, *, epochs: int = 30, batch_size: i
 
 
 def warm_start(algo, policy_name: str, env_config: dict, *, smoothing: float = 0.0,
-               min_gain: float | None = None) -> dict:
-    """Record ``policy_name`` in the env (with ``min_gain``, its playout-improved labels), clone it
+               min_gain: float | None = None, actions: str = "any") -> dict:
+    """Record ``policy_name`` in the env (with ``min_gain``, its playout-improved labels among
+    ``actions``), clone it
     into every learner's module, and push the weights to the env runners. Returns a report for
     the run summary."""
     from ray.rllib.core import DEFAULT_MODULE_ID
 
     start = time.monotonic()
     improve = min_gain is not None
-    demos = record_demonstrations(policy_name, env_config, seeds=demonstration_seeds(improve), min_gain=min_gain)
+    # Playouts on every core (the env runners idle until PPO starts); plain recording is cheaper in-process.
+    workers = len(os.sched_getaffinity(0)) if improve else 1
+    demos = record_demonstrations(policy_name, env_config, seeds=demonstration_seeds(improve), min_gain=min_gain,
+                                  actions=actions, workers=workers)
     record_s = time.monotonic() - start
     _, epochs = IMPROVED if improve else PLAIN
     calls = algo.learner_group.foreach_learner(lambda learner: clone_into(learner.module[DEFAULT_MODULE_ID], demos,
                                                                               epochs=epochs, smoothing=smoothing))
     fit = next(iter(calls)).get()     # RemoteCallResults; raises the learner's error, if any
     algo.env_runner_group.sync_weights(from_worker_or_learner_group=algo.learner_group, inference_only=True)
-    return {"policy": policy_name, "min_gain": min_gain, "decisions": len(demos.actions),
-            "relabelled": demos.relabelled, "record_s": record_s, "add_fraction": demos.add_fraction, **fit}
+    return {"policy": policy_name, "min_gain": min_gain, "actions": actions if improve else None,
+            "decisions": len(demos.actions),
+            "relabelled": demos.relabelled, "record_s": record_s, "record_workers": workers,
+            "add_fraction": demos.add_fraction, **fit}
