@@ -31,6 +31,7 @@ from datetime import datetime
 from pathlib import Path
 
 from trainer.config import DEFAULT_MIXES, OFF, TrainConfig, build_config, load_config_file
+from trainer.warm_start import IMPROVE_ACTIONS
 
 
 def min_gain(text: str) -> float | str:
@@ -83,7 +84,7 @@ def build_train_parser() -> argparse.ArgumentParser:
                              "a decision takes the action of the best simulated playout (mean over sampled "
                              "output-length futures) where it gains over MIN_GAIN (a share of the window's time) "
                              f"on the baseline's; off clones the baseline as it is (default {defaults.improve_warm_start})")
-    parser.add_argument("--improve-actions", choices=("stop", "any"),
+    parser.add_argument("--improve-actions", choices=IMPROVE_ACTIONS,
                         help="what an improved label may take instead of the baseline's action: STOP only, or any "
                              f"action (default {defaults.improve_actions})")
     parser.add_argument("--ray-address", help="train on an existing Ray cluster (e.g. auto, ray://host:10001); "

@@ -223,7 +223,8 @@ def beyond(evaluation: dict, label: str) -> dict:
 
 def _beyond_lines(report: dict, what: str) -> list[str]:
     pairs = ", ".join(f"{spec.partition(':')[0]} {pair['ratio_mean']:.4f} +- {pair['ratio_sem']:.4f} "
-                      f"({pair['runs_faster']}/{pair['runs_slower']})" for spec, pair in report["paired_by_workload"].items())
+                      f"({pair['runs_faster']}/{pair['runs_slower']})"
+                      for spec, pair in report["paired_by_workload"].items())
     return [f"trained over {what}, per-run paired ratio (mean +- standard error; runs faster/slower): {pairs}",
             f"significantly better than {what} on: {', '.join(report['better_on']) or 'none'}; "
             f"worse on: {', '.join(report['worse_on']) or 'none'}"]
@@ -232,8 +233,9 @@ def _beyond_lines(report: dict, what: str) -> list[str]:
 def train_loop(algo, config: TrainConfig, run_log: RunLog, best: BestCheckpoint, *,
                progress: Callable[[str], None], spent_s: float = 0.0) -> float:
     """Call ``algo.train()`` (at least once) until the iteration count or the time budget is
-    spent, ``spent_s`` of it before the loop (the warm start), validating every
-    ``config.validate_every`` iterations and after the last; returns seconds spent in the loop."""
+    spent, ``spent_s`` of it before the loop (the warm start and the first validation),
+    validating every ``config.validate_every`` iterations and after the last; returns seconds
+    spent in the loop."""
     start = time.monotonic()
     budget_s = config.time_budget_s - spent_s
     done = 0
@@ -349,11 +351,11 @@ def train(config: TrainConfig, *, progress: Callable[[str], None] = print) -> di
     evaluation = evaluate_policy(policy_path, workloads=config.evaluation_workloads(), profile=config.profile,
                                  seeds=config.eval_seeds, engine=config.engine(), references=references)
     progress(format_table(evaluation))
-    clone = beyond(evaluation, CLONE_LABEL) if clone_path else None
-    shown = beyond(evaluation, DEMONSTRATOR_LABEL) if clone_path else None
+    clone = demonstrated = None
     if clone_path:
+        clone, demonstrated = beyond(evaluation, CLONE_LABEL), beyond(evaluation, DEMONSTRATOR_LABEL)
         for line in (_beyond_lines(clone, "its warm-start clone")
-                     + _beyond_lines(shown, f"the demonstrator ({config.warm_start} as recorded)")):
+                     + _beyond_lines(demonstrated, f"the demonstrator ({config.warm_start} as recorded)")):
             progress(line)
     summary = {
         "config": config.to_json(),
@@ -373,7 +375,7 @@ def train(config: TrainConfig, *, progress: Callable[[str], None] = print) -> di
         "export_parity": parity,
         "evaluation": evaluation,
         "beyond_clone": clone,
-        "beyond_demonstrator": shown,
+        "beyond_demonstrator": demonstrated,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
