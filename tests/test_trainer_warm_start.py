@@ -7,7 +7,8 @@ import pytest
 from feather_gym.observation import NUM_FEATURES, OBS_CLIP
 from feather_gym.policies import FeatherRule, playout_futures
 from feather_gym.envs import BatchFormationEnv
-from trainer.warm_start import clone_into, demonstrator, improved_action, playout_return, record_demonstrations
+from trainer.warm_start import (clone_into, demonstrator, improved_action, playout_return, record_demonstrations,
+                                record_episode)
 
 ENV_CONFIG = {"workloads": ["prefix-groups:groups=3,num_requests=200,rate=50", "no-sharing:num_requests=100"],
               "profile": "rtx6000-ada", "window_requests": 1000, "max_decisions": 4096, "wait_penalty": 0.0}
@@ -49,6 +50,16 @@ def test_cloning_reproduces_the_rule(demos):
     with torch.no_grad():
         logits = module.forward_inference({Columns.OBS: torch.from_numpy(demos.obs)})[Columns.ACTION_DIST_INPUTS]
     assert float((logits.argmax(-1).numpy() == demos.actions).mean()) == pytest.approx(fit["accuracy"])
+
+
+def test_a_driver_takes_the_actions_and_the_demonstrator_labels_them():
+    """DAgger's episodes: the driver's states and returns, the demonstrator's labels."""
+    workload = ENV_CONFIG["workloads"][0]
+    driven = record_episode("feather-rule", ENV_CONFIG, workload, seed=0, driver="cht")
+    always_add = record_episode("cht", ENV_CONFIG, workload, seed=0)
+    assert set(always_add.actions.tolist()) == {1}
+    assert np.array_equal(driven.obs, always_add.obs) and np.array_equal(driven.returns, always_add.returns)
+    assert 0 in driven.actions.tolist()           # the rule would have stopped where always-ADD admitted
 
 
 def test_the_rule_is_recorded_stateless(demos):
