@@ -27,6 +27,9 @@ REFERENCE_ONLY = ("group-label",)   # reads the generators' group labels: shown,
 RUN_FIGURES = ("throughput_tok_s", "makespan_s", "queue_delay_mean_s", "queue_delay_p99_s")
 NO_SHARING_TOLERANCE = 0.02
 TIE_TOLERANCE = 0.001
+#: The issue's own reading of "reaches the best heuristic": within 1% of it. ``target_met`` judges
+#: at the stricter ``TIE_TOLERANCE``; checkpoint selection (:func:`validation_score`) at this one.
+ISSUE_TOLERANCE = 0.01
 SIGNIFICANT_SEM = 2.0   # a paired mean ratio this many standard errors from 1 is a difference, not noise
 SHARING_RATIO_MIN = 0.05
 
@@ -91,9 +94,11 @@ class Benchmark:
         sharing = self.sharing_ratio[spec] >= SHARING_RATIO_MIN
         if sharing:
             best = max((n for n in self.baselines[spec] if n not in REFERENCE_ONLY), key=mean.get)
-            target, needed, tolerance = f">= best heuristic ({best})", mean[best], TIE_TOLERANCE
+            target, needed, tolerance, issue_tolerance = (f">= best heuristic ({best})", mean[best], TIE_TOLERANCE,
+                                                          ISSUE_TOLERANCE)
         else:
-            target, needed, tolerance = f">= {1 - NO_SHARING_TOLERANCE:.2f} x fcfs", (1 - NO_SHARING_TOLERANCE) * fcfs, 0.0
+            target, needed, tolerance, issue_tolerance = (f">= {1 - NO_SHARING_TOLERANCE:.2f} x fcfs",
+                                                          (1 - NO_SHARING_TOLERANCE) * fcfs, 0.0, 0.0)
         return {
             "workload": spec,
             "runs": len(self._runs[spec]),
@@ -106,6 +111,7 @@ class Benchmark:
             "margin": trained / needed,
             "trained_over_reference": {label: trained / value for label, value in references.items()},
             "target_met": bool(trained >= (1 - tolerance) * needed),
+            "issue_margin": trained / ((1 - issue_tolerance) * needed),
         }
 
     def evaluate(self, policy, references: Mapping[str, object] | None = None) -> dict:
@@ -164,11 +170,13 @@ def slower_workloads(evaluation: dict, reference: dict) -> list[str]:
 
 
 def validation_score(evaluation: dict) -> tuple[float, float]:
-    """How close an evaluation comes to meeting every target, for ranking checkpoints:
-    ``(worst margin, mean margin)`` compared in that order, the worst margin capped at 1 less
-    the tie tolerance (once every target is met, the mean margin decides)."""
-    margins = [result["margin"] for result in evaluation["workloads"]]
-    return min(min(margins), 1 - TIE_TOLERANCE), float(np.mean(margins))
+    """How close an evaluation comes to meeting every target as the issue states it, for ranking
+    checkpoints: ``(worst issue margin, mean margin)`` compared in that order, the worst capped at
+    1 (once every workload is within the issue's target, ``ISSUE_TOLERANCE`` of the best
+    heuristic or ``NO_SHARING_TOLERANCE`` of FCFS, the mean margin decides)."""
+    results = evaluation["workloads"]
+    return (min(min(result["issue_margin"] for result in results), 1.0),
+            float(np.mean([result["margin"] for result in results])))
 
 
 def evaluate_policy(policy_path: str | Path, *, workloads: Sequence[str], profile: str,
