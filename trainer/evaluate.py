@@ -84,7 +84,8 @@ class Benchmark:
     def judge(self, spec: str, trained: float, references: Mapping[str, float] | None = None) -> dict:
         """The per-workload result for a trained policy reaching ``trained`` tok/s on ``spec``.
 
-        ``margin`` is trained over the target's throughput: >= 1 (less the tie tolerance) meets it.
+        ``margin`` is trained over the target's throughput: >= 1 (less the tie tolerance) meets it;
+        ``issue_margin`` >= 1 meets it as the issue states it (within ``ISSUE_TOLERANCE``).
         ``load`` holds the baselines' makespan and queueing delays (:meth:`evaluate` adds the
         trained policy's).
         """
@@ -94,11 +95,10 @@ class Benchmark:
         sharing = self.sharing_ratio[spec] >= SHARING_RATIO_MIN
         if sharing:
             best = max((n for n in self.baselines[spec] if n not in REFERENCE_ONLY), key=mean.get)
-            target, needed, tolerance, issue_tolerance = (f">= best heuristic ({best})", mean[best], TIE_TOLERANCE,
-                                                          ISSUE_TOLERANCE)
+            target, needed, tolerance = f">= best heuristic ({best})", mean[best], TIE_TOLERANCE
         else:
-            target, needed, tolerance, issue_tolerance = (f">= {1 - NO_SHARING_TOLERANCE:.2f} x fcfs",
-                                                          (1 - NO_SHARING_TOLERANCE) * fcfs, 0.0, 0.0)
+            target, needed, tolerance = f">= {1 - NO_SHARING_TOLERANCE:.2f} x fcfs", (1 - NO_SHARING_TOLERANCE) * fcfs, 0.0
+        issue_tolerance = ISSUE_TOLERANCE if sharing else 0.0    # no sharing: 0.98 x FCFS is the issue's own
         return {
             "workload": spec,
             "runs": len(self._runs[spec]),
