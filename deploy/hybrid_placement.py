@@ -24,9 +24,9 @@ turns on for hybrids; read from the installed source):
 What :class:`HybridPlacementMixin` changes (attention KV, budgets and outputs stay vLLM's):
 
 * ``placement="dp"``: the positions kept are those of the exact DP
-  (:func:`cache_core.placement.solve`) for the overlap-depth distribution learnt online from
+  (:func:`cache_core.hybrid.placement.solve`) for the overlap-depth distribution learnt online from
   every lookup (the depth is the attention hit, in blocks: how far the prompt matched cached
-  text), one distribution per prefix family (:class:`~cache_core.rooted_placement.RootedPlacement`:
+  text), one distribution per prefix family (:class:`~cache_core.hybrid.rooted_placement.RootedPlacement`:
   the family is the prompt's first block). The DP replaces vLLM's junction rule: prefill
   chunks are cut at the DP's positions so their states exist, the masks keep them and vLLM's
   replay boundary (the prompt's last full block, which a resend or an extension of the prompt
@@ -35,7 +35,7 @@ What :class:`HybridPlacementMixin` changes (attention KV, budgets and outputs st
 * ``placement="vllm"``: vLLM's own positions.
 * Both: at most ``state_budget_bytes`` of kept states (``floor(budget / bytes per state)``
   states); over the cap the least recently kept or hit go first
-  (:class:`~cache_core.state_registry.StateRegistry`). Eviction only removes a state's hash
+  (:class:`~cache_core.hybrid.state_registry.StateRegistry`). Eviction only removes a state's hash
   (vLLM's ``evict_blocks``) in all GDN groups at once, after ``schedule()`` returns: reference
   counts, free queue and block tables stay vLLM's.
 
@@ -60,8 +60,8 @@ from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.core.single_type_kv_cache_manager import MambaManager  # noqa: E402
 from vllm.v1.kv_cache_interface import MambaSpec  # noqa: E402
 
-from cache_core.rooted_placement import FamilyPlacementSettings  # noqa: E402
-from cache_core.state_registry import StateRegistry  # noqa: E402
+from cache_core.hybrid.rooted_placement import FamilyPlacementSettings  # noqa: E402
+from cache_core.hybrid.state_registry import StateRegistry  # noqa: E402
 from deploy.plugin_config import config_section  # noqa: E402
 from deploy.scheduler import FeatherSchedulingMixin  # noqa: E402
 
@@ -75,7 +75,7 @@ PLACEMENTS = ("dp", "vllm")
 @dataclass(frozen=True)
 class HybridPlacementConfig(FamilyPlacementSettings):
     """Settings of the hybrid placement plug-in (see the module docstring): the DP's per family
-    (:class:`~cache_core.rooted_placement.FamilyPlacementSettings`), ``placement`` and
+    (:class:`~cache_core.hybrid.rooted_placement.FamilyPlacementSettings`), ``placement`` and
     ``state_budget_bytes`` (pool bytes, ``None`` = no cap) bounding all kept states together."""
 
     placement: str = "dp"

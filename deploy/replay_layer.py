@@ -16,7 +16,7 @@ groups, so no request id crosses the boundary.
 In one forward, each :class:`ReplayGDN` layer, before its own computation:
 
 * **captures**: copies the rows of its input hidden states (post ``input_layernorm``, the same
-  definition as :mod:`cache_core.suffix_replay`) that the plan marks as anchors of a page
+  definition as :mod:`feather_gym.hybrid.suffix_replay`) that the plan marks as anchors of a page
   boundary, into :attr:`ReplayPlan.captured`;
 * **rebuilds**: for each planned slot, runs *its own* ``forward_cpu`` (the same module, through
   vLLM's CPU GDN kernels) over the boundary's anchors with a one-request prefill metadata

@@ -6,7 +6,7 @@ between is recomputed. With this plug-in a hit resumes at the deepest boundary `
 ``(B_state, B_kv]`` whose anchors are kept, and each GDN layer rebuilds its state there by
 replaying its anchors (:mod:`deploy.replay_layer`). Anchors are the last ``replay_tokens``
 input hidden states of every GDN layer before each prompt page boundary, recorded while the
-prompt is prefilled, kept in a byte-budgeted LRU :class:`~cache_core.anchor_store.AnchorStore`
+prompt is prefilled, kept in a byte-budgeted LRU :class:`~cache_core.hybrid.anchor_store.AnchorStore`
 keyed by vLLM's own chained block hash of the page ending at the boundary.
 
 How the hit is reported to vLLM (``_get_local_prefix_cache_hit``; no vLLM source is changed):
@@ -46,7 +46,7 @@ from vllm.config.compilation import CompilationMode  # noqa: E402
 from vllm.utils.math_utils import cdiv  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 
-from cache_core.anchor_store import DTYPES, AnchorStore  # noqa: E402
+from cache_core.hybrid.anchor_store import DTYPES, AnchorStore  # noqa: E402
 from deploy.hybrid_placement import HybridPlacementMixin  # noqa: E402
 from deploy.plugin_config import config_section  # noqa: E402
 from deploy.replay_layer import PLAN, Capture, layer_index  # noqa: E402

@@ -50,7 +50,7 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
 from vllm.v1.core.sched.request_queue import SchedulingPolicy  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 
-from cache_core.cht import ChunkedHashTree  # noqa: E402
+from cache_core.cht.tree import ChunkedHashTree  # noqa: E402
 from deploy.admission import Admission, FCFSAdmission, PolicyAdmission  # noqa: E402
 from deploy.plugin_config import config_section  # noqa: E402
 from deploy.policy_reload import PolicyReloader  # noqa: E402

@@ -2,7 +2,7 @@
 
 :class:`CHTWaitingQueue` implements vLLM's ``RequestQueue`` (the interface the v1 scheduler
 uses for ``self.waiting``). It keeps every request the scheduler hands it in a
-:class:`cache_core.cht.ChunkedHashTree`, fed with vLLM's own ``request.block_hashes`` (one
+:class:`cache_core.cht.tree.ChunkedHashTree`, fed with vLLM's own ``request.block_hashes`` (one
 digest per full KV block, already chained by vLLM;
 :func:`traces.chunk_hash.block_hash_digests` only reinterprets them as uint64, nothing is
 hashed twice). The tree's chunk size is vLLM's hash block size, so one block is one chunk.

@@ -65,7 +65,7 @@ from typing import Protocol
 
 import numpy as np
 
-from cache_core.cht import ChunkedHashTree
+from cache_core.cht.tree import ChunkedHashTree
 
 OBS_VERSION = "feather-obs-4"
 

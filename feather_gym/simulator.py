@@ -85,7 +85,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from cache_core.cht import ChunkedHashTree
+from cache_core.cht.tree import ChunkedHashTree
 from feather_gym.costmodel import CostModel, DecodeBatch
 from feather_gym.hybrid.state_keeping import HybridSimConfig, StateKeeper
 from feather_gym.kv_cache import NULL_BLOCKS, PrefixKVCache

@@ -16,7 +16,7 @@ from traces.chunk_hash import (
     chained_chunk_hashes,
     request_chunk_hashes,
 )
-from cache_core.cht import CandidateStats, ChunkedHashTree, PrefixGroup
+from cache_core.cht.tree import CandidateStats, ChunkedHashTree, PrefixGroup
 from traces.request import Request
 
 
@@ -205,7 +205,7 @@ def test_digests_must_be_a_chain_of_integers():
 
 
 def test_lpm_baseline_matches_longest_common_prefix():
-    from cache_core.lpm_baseline import RadixCache, lpm_pass
+    from cache_core.cht.lpm import RadixCache, lpm_pass
 
     rng = np.random.default_rng(3)
     cached = [rng.integers(0, 3, rng.integers(1, 12)).tolist() for _ in range(20)]
@@ -226,7 +226,7 @@ def test_lpm_baseline_matches_longest_common_prefix():
 
 
 def test_bench_cli_prints_one_json_object_last(capsys):
-    from feather_gym.cli import main
+    from feather_cli.main import main
 
     assert main(["bench", "cht", "--json", "--waiting", "60", "--lpm-waiting", "60", "--steps", "30",
                  "--batch", "8", "--long-prompts", "12", "--no-trace", "--lpm-round-waiting", "16,32",
@@ -254,7 +254,7 @@ def test_bench_cli_prints_one_json_object_last(capsys):
 
 
 def test_a_round_admits_up_to_its_limit():
-    from cache_core.cht_bench import admit
+    from cache_core.cht.bench import admit
 
     cht = ChunkedHashTree(chunk_size=4)
     for i in range(5):

@@ -13,9 +13,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cache_core import cht as cht_module
-from cache_core.cht import ChunkedHashTree
-from cache_core.cht_reference import ReferenceScheduler
+from cache_core.cht import tree as cht_module
+from cache_core.cht.tree import ChunkedHashTree
+from cache_core.cht.reference import ReferenceScheduler
 
 # A 3-token alphabet and short prompts make shared prefixes, ties and groups common.
 prompts = st.lists(st.integers(0, 2), max_size=12)
@@ -76,7 +76,7 @@ def assert_same_answers(cht: ChunkedHashTree, ref: ReferenceScheduler) -> None:
 
 
 def assert_heap_bounds(cht: ChunkedHashTree) -> None:
-    """Invariants 2 and 3 of cache_core.cht, read from its internals.
+    """Invariants 2 and 3 of cache_core.cht.tree, read from its internals.
 
     Stale entries stay bounded; working-set prefix tops are live; every working-set prefix
     (and the root) with waiting requests has a valid global entry for its best request at

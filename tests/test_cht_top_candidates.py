@@ -9,8 +9,8 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cache_core.cht import ChunkedHashTree
-from cache_core.cht_reference import ReferenceScheduler
+from cache_core.cht.tree import ChunkedHashTree
+from cache_core.cht.reference import ReferenceScheduler
 from test_cht_properties import apply, operations
 
 
@@ -33,7 +33,7 @@ def brute_force(cht: ChunkedHashTree, digests: dict, k: int) -> list:
 
 
 def assert_shared_children(cht: ChunkedHashTree) -> None:
-    """Invariant 4 of cache_core.cht: each prefix counts its children shared by >= 2 waiting requests."""
+    """Invariant 4 of cache_core.cht.tree: each prefix counts its children shared by >= 2 waiting requests."""
     index = cht._index
     counts = {id(prefix): 0 for prefix in [cht._root, *index.values()]}
     for prefix in index.values():

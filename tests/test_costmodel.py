@@ -308,7 +308,7 @@ MAPE_TARGETS = {"cpu": 0.10, "vllm-cpu": 0.12}
 
 @pytest.mark.parametrize("name", MAPE_TARGETS)
 def test_cli_fit_prints_held_out_error_as_json(name, capsys):
-    from feather_gym.cli import main
+    from feather_cli.main import main
 
     assert main(["profile", "fit", name, "--json"]) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -327,7 +327,7 @@ def test_cli_fit_prints_held_out_error_as_json(name, capsys):
 
 
 def test_cli_fit_rejects_bad_profile(tmp_path, capsys):
-    from feather_gym.cli import main
+    from feather_cli.main import main
 
     path = tmp_path / "bad.json"
     path.write_text(json.dumps({"schema": PROFILE_SCHEMA}))

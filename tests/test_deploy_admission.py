@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 import deploy_policies as policies
-from cache_core.cht import ChunkedHashTree
+from cache_core.cht.tree import ChunkedHashTree
 from deploy.admission import FCFSAdmission, PolicyAdmission
-from deploy.policy_bench import vllm_request
+from deploy.vllm_request import vllm_request
 from feather_gym.policies import FeatherRule, OnnxFilePolicy
 from deploy.scheduler import FeatherConfig, PolicyStartupError, build_admission
 from traces.chunk_hash import block_hash_digests
@@ -323,7 +323,7 @@ def test_async_scheduler_variant_shares_the_mixin():
 def test_cli_bench_policy_and_serve_bench_errors(files, capsys):
     import json
 
-    from feather_gym.cli import main
+    from feather_cli.main import main
 
     assert main(["bench", "policy", "--policy", str(files["add"]), "--iterations", "50", "--json"]) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

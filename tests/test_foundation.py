@@ -5,7 +5,7 @@ import logging
 import numpy as np
 import pytest
 
-from feather_gym.cli import LOGGED_PACKAGES, build_parser, log_progress, main
+from feather_cli.main import LOGGED_PACKAGES, build_parser, log_progress, main
 from traces.request import Request, Trace, synthesise_tokens, SYNTH_TOKEN_LOW, SYNTH_TOKEN_RANGE
 
 
@@ -52,10 +52,11 @@ def test_trace_rejects_time_going_backwards_and_duplicate_ids():
     assert len(trace) == 2 and trace.duration_s == 2.5 and trace[1].request_id == "b"
 
 
-def test_umbrella_lists_every_group():
+def test_umbrella_lists_every_group_and_hides_the_old_names():
     help_text = build_parser().format_help()
-    for group in ("trace", "bench", "placement", "profile", "sim", "serve"):
-        assert group in help_text
+    for group in ("train", "export", "trace", "bench", "placement", "profile", "sim", "hybrid", "replay"):
+        assert f"\n    {group}" in help_text
+    assert "\n    serve" not in help_text
 
 
 def test_user_errors_exit_2_without_traceback(capsys, tmp_path):
@@ -67,7 +68,7 @@ def test_user_errors_exit_2_without_traceback(capsys, tmp_path):
 def test_progress_logs_on_stderr_once_and_keeps_stdout_for_the_report(capsys):
     log_progress()
     log_progress()                       # idempotent: one line per record, not two
-    logging.getLogger("deploy.serve_bench").info("round %d %s: done", 0, "fcfs")
+    logging.getLogger("deploy.bench.harness").info("round %d %s: done", 0, "fcfs")
     logging.getLogger("trainer.train").debug("too fine to print")
     logging.getLogger("vllm.engine").info("another project's record")
     captured = capsys.readouterr()

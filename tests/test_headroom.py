@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from feather_gym.cli import main
+from feather_cli.main import main
 
 
 def test_headroom_pairs_the_playout_and_a_policy_with_the_rule(capsys):

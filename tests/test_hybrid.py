@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cache_core.hybrid_layout import HybridCacheLayout
+from cache_core.hybrid.layout import HybridCacheLayout
 from feather_gym.hybrid.agreement import agreement
 from feather_gym.hybrid.model import SPECS
 from traces import resolve_workload
@@ -44,7 +44,7 @@ def test_the_default_state_dtype_is_vllm_cpus_on_this_cpu(monkeypatch, avx512_bf
     model dtype; the layout follows (tests/test_hybrid_live.py compares it with a live engine)."""
     import torch
 
-    from cache_core.hybrid_layout import vllm_cpu_state_dtype
+    from cache_core.hybrid.layout import vllm_cpu_state_dtype
 
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
     assert vllm_cpu_state_dtype("bfloat16") == expected

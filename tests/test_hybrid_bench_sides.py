@@ -13,7 +13,7 @@ def side_bytes(kwargs) -> int:
 
 
 def test_every_capped_side_holds_the_same_bytes():
-    from deploy.hybrid_bench import SIDES, placement_sides
+    from deploy.bench.hybrid import SIDES, placement_sides
 
     sides = placement_sides(BUDGET, checkpoints=8, resolve_every=1, replay_tokens=32, anchor_share=0.25)
     assert list(sides) == list(SIDES)
@@ -27,7 +27,7 @@ def test_every_capped_side_holds_the_same_bytes():
 
 
 def test_a_subset_of_sides_keeps_the_report_order_and_unknown_sides_are_refused():
-    from deploy.hybrid_bench import placement_sides
+    from deploy.bench.hybrid import placement_sides
 
     assert list(placement_sides(BUDGET, checkpoints=8, resolve_every=1, sides=("replay", "vllm"))) == ["vllm", "replay"]
     with pytest.raises(ValueError, match="unknown sides"):
@@ -37,7 +37,7 @@ def test_a_subset_of_sides_keeps_the_report_order_and_unknown_sides_are_refused(
 
 
 def test_add_recompute_compares_every_side_with_vllm():
-    from deploy.hybrid_bench import add_recompute
+    from deploy.bench.hybrid import add_recompute
 
     side = lambda cached, ttft: {"cached_prompt_tokens": cached, "ttft_p50_s": ttft}   # noqa: E731
     result = {"prompt_tokens": 1000, "reference": "vllm",

@@ -2,7 +2,7 @@
 
 The model is the trained hybrid when ``feather hybrid build`` has made it, else the tiny
 config (trained for seconds here; the warning says so). One engine for the module; rounds
-switch between vLLM's own scheduler and fresh plug-in instances (deploy.serve_bench).
+switch between vLLM's own scheduler and fresh plug-in instances (deploy.bench.harness).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def trace(hybrid_model_dir):
 def test_engine_plugs_in_the_placement_scheduler_and_its_layout_matches_the_cache_layout(llm, hybrid_model_dir):
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
 
-    from cache_core.hybrid_layout import HybridCacheLayout
+    from cache_core.hybrid.layout import HybridCacheLayout
     from deploy.hybrid_placement import HybridPlacementScheduler
 
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
@@ -63,7 +63,7 @@ def test_dp_placement_serves_with_hits_within_its_budget_and_outputs_match_vllms
     from vllm.v1.core.sched.scheduler import Scheduler
 
     from deploy.hybrid_placement import HybridPlacementConfig, HybridPlacementScheduler
-    from deploy.serve_bench import run_schedulers
+    from deploy.bench.harness import run_schedulers
 
     state_bytes = llm.llm_engine.engine_core.engine_core.scheduler.state_pool_bytes
     config = HybridPlacementConfig(placement="dp", state_budget_bytes=4 * state_bytes, checkpoints=4,
@@ -86,7 +86,7 @@ def test_hybrid_build_reports_the_training_and_the_layout(capsys):
     import json
     import math
 
-    from feather_gym.cli import main
+    from feather_cli.main import main
 
     assert main(["hybrid", "build", "--model", "tiny", "--json"]) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -101,7 +101,7 @@ def test_the_feather_scheduler_composes_with_the_placement_plugin(llm, trace):
 
     from deploy.hybrid_placement import FeatherHybridScheduler, HybridPlacementConfig
     from deploy.scheduler import FeatherConfig
-    from deploy.serve_bench import run_schedulers
+    from deploy.bench.harness import run_schedulers
 
     sides = {"vllm": (Scheduler, {}),
              "feather-hybrid": (FeatherHybridScheduler, {"feather_config": FeatherConfig(policy="feather-rule"),

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 import deploy_policies as policies
-from cache_core.cht import ChunkedHashTree
+from cache_core.cht.tree import ChunkedHashTree
 from deploy.admission import PolicyAdmission
-from deploy.policy_bench import vllm_request
+from deploy.vllm_request import vllm_request
 from deploy.waiting_queue import CHTWaitingQueue
 from feather_gym.costmodel import load_cost_model
 from feather_gym.observation import ADD, FEATURE_NAMES, STOP, observation_size

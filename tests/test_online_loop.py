@@ -34,7 +34,7 @@ def live_step(step: int, seconds: float = 0.1, *, decode=(0, 0, 0, 0), chunks=()
 
 # --- composition --------------------------------------------------------------------------------
 def test_step_composition_counts_decodes_shared_blocks_groups_and_prefill_chunks():
-    from deploy.policy_bench import vllm_request
+    from deploy.vllm_request import vllm_request
     from deploy.step_log import step_composition
 
     prompts = {"a": (1, 2, 3), "b": (1, 2, 4), "c": (7, 8), "d": (1, 2, 5, 6, 9), "e": (11,)}
@@ -255,7 +255,7 @@ def test_refit_learns_a_slower_engine_and_writes_a_usable_profile(tmp_path):
 
 
 def test_profile_refit_cli_prints_the_report_as_json(tmp_path, capsys):
-    from feather_gym.cli import main
+    from feather_cli.main import main
     from feather_gym.costmodel.model import load_cost_model
 
     log = tmp_path / "steps.jsonl"

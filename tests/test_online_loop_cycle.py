@@ -20,7 +20,7 @@ WORKLOAD = ("prefix-groups:num_requests=24,groups=4,prefix_tokens=256,suffix_tok
 
 
 def test_one_cycle_reports_the_refit_and_the_policy_before_and_after(tmp_path, monkeypatch):
-    from deploy import online_loop
+    from deploy.bench import loop as online_loop
 
     run = tmp_path / "run"
     run.mkdir()

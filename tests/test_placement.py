@@ -1,11 +1,11 @@
-"""Exact checkpoint placement (cache_core.placement): fast solver vs O(M N^2) oracle vs brute force."""
+"""Exact checkpoint placement (cache_core.hybrid.placement): fast solver vs O(M N^2) oracle vs brute force."""
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cache_core.placement import PlacementProblem, _lower_hull, solve, solve_brute_force, solve_oracle
+from cache_core.hybrid.placement import PlacementProblem, _lower_hull, solve, solve_brute_force, solve_oracle
 
 TOL = 1e-9
 

@@ -5,8 +5,8 @@ import json
 import numpy as np
 import pytest
 
-from cache_core.placement_eval import evaluate_placements
-from feather_gym.cli import main
+from cache_core.hybrid.placement_eval import evaluate_placements
+from feather_cli.main import main
 from traces import shared_trace_path
 from traces.workload import SHARED_TRACES
 

@@ -1,10 +1,10 @@
-"""Online overlap-depth estimator (cache_core.overlap_estimator)."""
+"""Online overlap-depth estimator (cache_core.hybrid.overlap_estimator)."""
 
 import numpy as np
 import pytest
 
-from cache_core.overlap_estimator import OnlineOverlapEstimator
-from cache_core.placement import PlacementProblem, solve
+from cache_core.hybrid.overlap_estimator import OnlineOverlapEstimator
+from cache_core.hybrid.placement import PlacementProblem, solve
 
 
 def test_resolves_every_k_observations():

@@ -1,12 +1,12 @@
-"""Placement baselines (cache_core.placement_heuristics) and the DP's dominance over them."""
+"""Placement baselines (cache_core.hybrid.placement_heuristics) and the DP's dominance over them."""
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cache_core.placement import PlacementProblem, solve
-from cache_core.placement_heuristics import Balanced, Dyadic, EndOfPrompt, EveryBlocks, SqrtSpacing, default_heuristics
+from cache_core.hybrid.placement import PlacementProblem, solve
+from cache_core.hybrid.placement_heuristics import Balanced, Dyadic, EndOfPrompt, EveryBlocks, SqrtSpacing, default_heuristics
 
 
 @pytest.mark.parametrize(
@@ -65,7 +65,7 @@ def test_bad_arguments():
 
 
 def test_engine_grids_place_by_tokens_and_sglang_adds_the_prompt_end():
-    from cache_core.placement_heuristics import SGLangChunks, TokenGrid, engine_grids
+    from cache_core.hybrid.placement_heuristics import SGLangChunks, TokenGrid, engine_grids
 
     assert TokenGrid(512, 16).place(100, 10).tolist() == [32, 64, 96]
     assert TokenGrid(256, 384).place(5, 10).tolist() == [1, 2, 3, 4, 5]          # at least one block

@@ -13,11 +13,11 @@ from hypothesis import strategies as st
 from test_placement import assert_close, problems
 from test_placement_cli import last_json
 
-from cache_core.hybrid_layout import HybridCacheLayout
-from cache_core.placement import PlacementProblem, solve, solve_brute_force, solve_oracle
-from cache_core.placement_eval import evaluate_placements
-from cache_core.recompute_cost import PrefillTime
-from feather_gym.cli import main
+from cache_core.hybrid.layout import HybridCacheLayout
+from cache_core.hybrid.placement import PlacementProblem, solve, solve_brute_force, solve_oracle
+from cache_core.hybrid.placement_eval import evaluate_placements
+from cache_core.hybrid.recompute_cost import PrefillTime
+from feather_cli.main import main
 
 #: A Qwen3-Next-style config: 3 Gated DeltaNet layers and 1 attention layer.
 CONFIG = SimpleNamespace(
@@ -209,7 +209,7 @@ def test_eval_cli_missing_hybrid_model_is_a_clear_error(tmp_path, capsys, monkey
 
 
 def test_profile_prefill_cli_writes_a_profile_eval_reads(tmp_path, capsys, monkeypatch, model_dir):
-    from cache_core import recompute_cost
+    from feather_gym.costmodel import prefill_profiler
 
     calls = []
 
@@ -217,14 +217,14 @@ def test_profile_prefill_cli_writes_a_profile_eval_reads(tmp_path, capsys, monke
         calls.append((model, lengths, dtype, repeats, threads))
         return [(n, PREFILL.ms(0, n)) for n in lengths]
 
-    monkeypatch.setattr(recompute_cost, "profile_torch", fake_profile)
+    monkeypatch.setattr(prefill_profiler, "profile_torch", fake_profile)
     out = tmp_path / "prefill.json"
     assert main(["profile", "prefill", "--model", str(model_dir), "--lengths", "128,512,2048",
                  "--out", str(out), "--json"]) == 0
     assert calls == [(str(model_dir), [128, 512, 2048], "bfloat16", 3, 1)]
     report = last_json(capsys)
     assert report["backend"] == "torch" and len(report["points"]) == 3
-    from cache_core.placement_cli import load_prefill
+    from feather_gym.hybrid.placement_inputs import load_prefill
 
     fitted = load_prefill(str(out))
     assert fitted.ms(0, 1000) == pytest.approx(PREFILL.ms(0, 1000), rel=1e-6)

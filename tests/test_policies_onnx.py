@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 
-from feather_gym.cli import main
+from feather_cli.main import main
 from feather_gym.observation import FEATURE_NAMES
 
 
@@ -29,7 +29,7 @@ def test_exported_policy_runs_in_sim_compare(tmp_path, capsys):
 
 
 def test_simulator_does_not_import_onnxruntime():
-    code = ("import sys, feather_gym.envs, feather_gym.policies, feather_gym.simulator, feather_gym.sim_cli; "
+    code = ("import sys, feather_gym.envs, feather_gym.policies, feather_gym.simulator, feather_gym.compare; "
             "feather_gym.policies.make_policy('feather-rule'); print('onnxruntime' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"

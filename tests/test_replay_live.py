@@ -39,7 +39,7 @@ def serve(llm, scheduler_cls, prompts, **kwargs):
     """The prompts one after another on a fresh ``scheduler_cls``: (scheduler, outputs)."""
     from vllm import SamplingParams, TokensPrompt
 
-    from deploy.serve_bench import install_scheduler
+    from deploy.bench.harness import install_scheduler
 
     scheduler = install_scheduler(llm, scheduler_cls, **kwargs)
     params = SamplingParams(max_tokens=8, temperature=0, logprobs=0)
@@ -126,7 +126,7 @@ def test_misconfigurations_are_refused_with_a_reason(llm):
 
     from deploy.replay_layer import PLAN
     from deploy.replay_scheduler import SuffixReplayScheduler
-    from deploy.serve_bench import install_scheduler
+    from deploy.bench.harness import install_scheduler
 
     with pytest.raises(ValueError, match="at most the block size"):
         install_scheduler(llm, SuffixReplayScheduler, **replay_side(replay_tokens=block_size(llm) + 1))

@@ -1,4 +1,4 @@
-"""SuffixReplay as a placement (cache_core/replay_placement.py): anchor spreading, resume choice,
+"""SuffixReplay as a placement (cache_core/hybrid/replay_placement.py): anchor spreading, resume choice,
 the four configurations at equal bytes, the replay eval's storage comparison, and the
 ``feather placement eval --replay`` path. No model is run: layouts come from config objects."""
 
@@ -11,13 +11,13 @@ import pytest
 from test_placement_cli import last_json
 from test_placement_hybrid import CONFIG, LAYOUT, PREFILL, model_dir  # noqa: F401 (fixture)
 
-from cache_core.placement import PlacementProblem, solve
-from cache_core.placement_eval import evaluate_placements
-from cache_core.placement import resume_positions
-from cache_core.replay_placement import (ReplayCost, anchor_entry_bytes, compare_at_equal_bytes, dp_allocations,
+from cache_core.hybrid.placement import PlacementProblem, solve
+from cache_core.hybrid.placement_eval import evaluate_placements
+from cache_core.hybrid.placement import resume_positions
+from cache_core.hybrid.replay_placement import (ReplayCost, anchor_entry_bytes, compare_at_equal_bytes, dp_allocations,
                                          hit_tree_copies, resume_with_anchors, spread_anchors, storage_on_workload)
-from cache_core.recompute_cost import PrefillTime
-from feather_gym.cli import main
+from cache_core.hybrid.recompute_cost import PrefillTime
+from feather_cli.main import main
 
 S = LAYOUT.state_bytes
 BLOCK = 16
@@ -278,7 +278,7 @@ def test_placement_eval_cli_with_replay(tmp_path, capsys, model_dir):  # noqa: F
 
 
 def test_ttft_computes_at_least_the_last_prompt_token():
-    from cache_core.replay_placement import ttft_ms
+    from cache_core.hybrid.replay_placement import ttft_ms
 
     linear = PrefillTime(fixed_ms=3.0, ms_per_token=0.1, ms_per_token_squared=0.0)
     np.testing.assert_allclose(ttft_ms(linear, np.array([2, 4]), block_size=16, prompt_tokens=np.array([100, 64])),

@@ -27,7 +27,7 @@ def prefix_cache_hits(url: str) -> float:
 def test_the_server_resumes_prefix_hits_by_replay_with_no_state_kept(tmp_path, hybrid_model_dir):
     import httpx
 
-    from cache_core.hybrid_layout import HybridCacheLayout
+    from cache_core.hybrid.layout import HybridCacheLayout
 
     block = HybridCacheLayout.from_model_dir(hybrid_model_dir).vllm_block_size()       # vLLM's, on this CPU
     config = {"feather_hybrid": {"placement": "vllm", "state_budget_bytes": 0},

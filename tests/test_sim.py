@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import traces
-from feather_gym.cli import main
+from feather_cli.main import main
 from feather_gym.costmodel import load_cost_model
 from feather_gym.kv_cache import PrefixKVCache
 from feather_gym.observation import ADD, FEATURE_INDEX, FEATURE_NAMES, OBS_CLIP, STOP, normalise, raw_features

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import traces
-from feather_gym.cli import main
+from feather_cli.main import main
 from feather_gym.costmodel import load_cost_model
 from feather_gym.policies import make_policy
 from feather_gym.simulator import simulate

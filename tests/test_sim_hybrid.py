@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cache_core.state_registry import StateRegistry
+from cache_core.hybrid.state_registry import StateRegistry
 from feather_gym.costmodel import load_cost_model
 from feather_gym.hybrid.state_keeping import HybridSimConfig
 from feather_gym.observation import FEATURE_INDEX
@@ -124,7 +124,7 @@ def test_state_registry_evicts_the_least_recently_used():
 
 
 def test_rooted_placement_learns_one_placement_per_prefix_family():
-    from cache_core.rooted_placement import RootedPlacement
+    from cache_core.hybrid.rooted_placement import RootedPlacement
 
     placement = RootedPlacement(horizon_blocks=16, budget=2, resolve_every=1, max_roots=2)
     for depth in (4, 4, 4):
@@ -141,7 +141,7 @@ def test_rooted_placement_learns_one_placement_per_prefix_family():
 def test_sim_compare_runs_a_hybrid_model_under_each_placement(capsys):
     import json
 
-    from feather_gym.cli import main
+    from feather_cli.main import main
 
     workload = "long-doc-qa:num_requests=12,doc_tokens_min=600,doc_tokens_max=1500,questions_min=3,questions_max=4"
     assert main(["sim", "compare", "--workload", workload, "--policies", "fcfs", "--model", "tiny",

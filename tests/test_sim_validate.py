@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from deploy.sim_validate import DEFAULT_WORKLOADS  # noqa: E402
+from deploy.bench.validate import DEFAULT_WORKLOADS  # noqa: E402
 from traces.workload import ENGINE_SIZED_SHAPES  # noqa: E402
 
 #: Arriving within ~12 ms (the benches' regime): all during the first step, whatever the machine's speed.
@@ -27,7 +27,7 @@ WORKLOAD = ("prefix-groups:num_requests=12,groups=3,prefix_tokens=256,suffix_tok
 
 @pytest.mark.slow
 def test_sim_validate_reports_every_figure_and_the_engine_agrees_on_steps_and_hits(capsys):
-    from feather_gym.cli import main
+    from feather_cli.main import main
 
     assert main(["sim", "validate", "--workload", f"small={WORKLOAD}", "--rounds", "1", "--seeds", "2",
                  "--json"]) == 0
@@ -63,7 +63,7 @@ def test_sim_validate_reports_every_figure_and_the_engine_agrees_on_steps_and_hi
 @pytest.fixture(scope="module")
 def bench_engine():
     """The bench's engine: SmolLM2-135M in float32, 0.25 GiB KV (45 blocks, one of them vLLM's null block)."""
-    from deploy.serve_bench import DEFAULT_BENCH_KV_CACHE_GIB
+    from deploy.bench.harness import DEFAULT_BENCH_KV_CACHE_GIB
     from feather_gym.vllm_engine import start_engine
 
     return start_engine(max_model_len=4096, kv_cache_gib=DEFAULT_BENCH_KV_CACHE_GIB)
@@ -116,8 +116,8 @@ def assert_same_schedule(engine, policy: str, trace, online: bool) -> dict:
     steps, preemptions, waiting-time-bound admissions and prompt tokens served from the prefix
     cache, and (a Feather policy) as many decisions: the policy is asked at the same points, the
     deployed bound on. Returns the simulated side."""
-    from deploy.serve_bench import run_round
-    from deploy.sim_validate import as_served, live_sides, simulated, simulated_engine
+    from deploy.bench.harness import run_round
+    from deploy.bench.validate import as_served, live_sides, simulated, simulated_engine
     from feather_gym.costmodel import load_cost_model
     from feather_gym.policies import DEFAULT_MAX_WAIT_STEPS
 
@@ -167,7 +167,7 @@ def test_a_policy_may_admit_another_slot_when_slot_0_does_not_fit_as_deployed(be
 
 
 def test_ratios_to_first_and_across_seeds_share_one_definition_on_both_sides():
-    from deploy.sim_validate import FIGURES, RANKING_TIE, across_seeds, compare_sides
+    from deploy.bench.validate import FIGURES, RANKING_TIE, across_seeds, compare_sides
 
     def side(fcfs, rule):
         figures = dict.fromkeys(set(FIGURES) - {"output_tok_s"}, 1.0)
@@ -204,7 +204,7 @@ def test_ratios_to_first_and_across_seeds_share_one_definition_on_both_sides():
 
 
 def test_sim_validate_refuses_a_policy_it_cannot_deploy_before_starting_an_engine(capsys):
-    from feather_gym.cli import main
+    from feather_cli.main import main
 
     assert main(["sim", "validate", "--workload", WORKLOAD, "--policies", "fcfs,dfs"]) == 2
     assert "cannot run in the Feather scheduler" in capsys.readouterr().err
@@ -218,10 +218,11 @@ def test_the_live_benches_serve_the_training_mix_in_the_regime_it_trains_in():
     arrival times the training env and the simulated side of ``sim validate`` use."""
     import numpy as np
 
-    from deploy.cli import submission
-    from deploy.serve_bench import DEFAULT_ONLINE, DEFAULT_WORKLOADS
-    from deploy.sim_validate import as_served
-    from feather_gym.cli import build_parser
+    from feather_cli.bench import submission
+    from deploy.bench.harness import DEFAULT_ONLINE
+    from deploy.bench.serve import DEFAULT_WORKLOADS
+    from deploy.bench.validate import as_served
+    from feather_cli.main import build_parser
     from traces import resolve_workload
     from trainer.config import DEFAULT_MIXES
 

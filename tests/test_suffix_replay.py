@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from cache_core import suffix_replay as sr
-from cache_core.anchor_store import AnchorStore
+from feather_gym.hybrid import suffix_replay as sr
+from cache_core.hybrid.anchor_store import AnchorStore
 from traces.chunk_hash import chained_chunk_hashes
 
 PAGE = 64
@@ -175,7 +175,7 @@ def test_anchor_store_is_keyed_by_the_chained_page_digests():
 
 
 def test_replay_eval_json_last_line(capsys):
-    from feather_gym.cli import main
+    from feather_cli.main import main
 
     assert main(["replay", "eval", "--model", "tiny", "--page", "64", "--prefix-tokens", "128",
                  "--replay-tokens", "4,16", "--continuation-tokens", "16", "--samples", "1", "--needles", "1",

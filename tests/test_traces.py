@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import traces
-from feather_gym.cli import main
+from feather_cli.main import main
 from traces import Request, Trace, TraceFormatError, load_trace, resolve_workload, write_trace
 from traces.stats import trace_stats
 

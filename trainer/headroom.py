@@ -1,4 +1,4 @@
-"""``feather bench headroom``: what one step of policy iteration gains over the Feather rule.
+"""What one step of policy iteration gains over the Feather rule.
 
 On the training mix's held-out evaluation seeds (``feather-train``'s defaults for ``--profile``:
 its built-in mix, KV capacity and ``eval_seeds``), the Feather rule and the simulator-only
@@ -19,22 +19,6 @@ from __future__ import annotations
 
 import json
 import time
-
-
-def register(commands) -> None:
-    """Add ``bench headroom`` to the ``feather`` command tree."""
-    bench = commands.group("bench", help="benchmarks")
-    headroom = bench.add_parser("headroom", help="held-out gain of one policy-iteration step over the Feather rule, "
-                                                 "with and without foresight of output lengths (simulator-only), "
-                                                 "optionally beside a trained policy")
-    headroom.add_argument("--profile", default=None,
-                          help="cost-model profile (default: this machine's); the mix and KV capacity are "
-                               "feather-train's for it")
-    headroom.add_argument("--seeds", type=int, default=30, help="held-out seeds per workload (default 30)")
-    headroom.add_argument("--policy", metavar="POLICY",
-                          help="a trained policy (*.onnx) or a baseline name, paired against the rule as well")
-    headroom.add_argument("--json", action="store_true", help="one JSON object on the last line")
-    headroom.set_defaults(func=_headroom)
 
 
 def headroom(config, *, seeds: int, policy_path: str | None = None) -> dict:
@@ -64,26 +48,18 @@ def headroom(config, *, seeds: int, policy_path: str | None = None) -> dict:
     return {"profile": config.profile, "seeds": list(benchmark.seeds), "workloads": workloads}
 
 
-def _headroom(args) -> int:
-    from feather_gym.policies import SIMULATOR_ONLY
-    from trainer.config import TrainConfig
-
-    config = TrainConfig(profile=args.profile).resolved()
-    start = time.perf_counter()
-    report = headroom(config, seeds=args.seeds, policy_path=args.policy)
-    report["elapsed_s"] = time.perf_counter() - start
-    labels = [name.replace("-", "_") for name in SIMULATOR_ONLY] + (["policy"] if args.policy else [])
-    print(f"headroom over the Feather rule, profile {config.profile}, {args.seeds} held-out seeds "
-          f"(x FCFS; paired ratio over the rule: mean +- standard error (seeds faster/slower))")
-    print(f"{'workload':<16}{'rule':>8}" + "".join(f"{label:>{len(label) + 2}}{'÷ rule':>28}" for label in labels))
+def format_headroom(report: dict, labels: list[str]) -> str:
+    """The headroom table: per workload, the rule over FCFS, then each of ``labels`` over FCFS and
+    paired over the rule (mean +- standard error, seeds faster/slower)."""
+    lines = [f"headroom over the Feather rule, profile {report['profile']}, {len(report['seeds'])} held-out seeds "
+             "(x FCFS; paired ratio over the rule: mean +- standard error (seeds faster/slower))",
+             f"{'workload':<16}{'rule':>8}" + "".join(f"{label:>{len(label) + 2}}{'÷ rule':>28}" for label in labels)]
     for row in report["workloads"]:
         cells = "".join(f"{row[f'{label}_over_fcfs']:>{len(label) + 2}.3f}"
                         f"{_paired(row[f'{label}_over_rule_paired']):>28}" for label in labels)
-        print(f"{row['workload'].partition(':')[0][:15]:<16}{row['feather_rule_over_fcfs']:>8.3f}{cells}")
-    print(f"{report['elapsed_s']:.0f} s")
-    if args.json:
-        print(json.dumps(report))
-    return 0
+        lines.append(f"{row['workload'].partition(':')[0][:15]:<16}{row['feather_rule_over_fcfs']:>8.3f}{cells}")
+    lines.append(f"{report['elapsed_s']:.0f} s")
+    return "\n".join(lines)
 
 
 def _paired(pair: dict) -> str:

@@ -12,7 +12,7 @@ placement   states kept as a prefill passes block boundary ``k``
             "junction" ``A`` of a lookup whose attention hit ``A`` was deeper than its state hit
 ``dp``      the prompt's last full block, and ``k`` in the exact DP's placement for the
             overlap depths observed so far in the prompt's family
-            (:class:`~cache_core.rooted_placement.RootedPlacement`, as the plug-in: the DP
+            (:class:`~cache_core.hybrid.rooted_placement.RootedPlacement`, as the plug-in: the DP
             replaces vLLM's junctions); vLLM's rule while that placement is empty
 ``grid``    every ``grid_blocks``-th boundary (a fixed grid, e.g. one state per 1,024 tokens)
 ==========  =================================================================================
@@ -27,7 +27,7 @@ usable as soon as the prefill is scheduled (the engine stores them after the ste
 
 Bytes: a kept state occupies ``state_blocks`` KV blocks (vLLM pads a GDN state page to the
 attention page; one per GDN group). The simulator reserves ``max_states x state_blocks``
-blocks of its KV capacity for states, and :class:`~cache_core.state_registry.StateRegistry`
+blocks of its KV capacity for states, and :class:`~cache_core.hybrid.state_registry.StateRegistry`
 (shared with the plug-in) evicts beyond ``max_states``.
 
 Divergences from the live engine: the reserve is a fixed partition (vLLM's states and KV share
@@ -40,8 +40,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from cache_core.rooted_placement import FamilyPlacementSettings
-from cache_core.state_registry import StateRegistry
+from cache_core.hybrid.rooted_placement import FamilyPlacementSettings
+from cache_core.hybrid.state_registry import StateRegistry
 
 PLACEMENTS = ("vllm", "dp", "grid")
 
@@ -49,7 +49,7 @@ PLACEMENTS = ("vllm", "dp", "grid")
 @dataclass(frozen=True)
 class HybridSimConfig(FamilyPlacementSettings):
     """The hybrid mode of the simulator (see the module docstring); the ``dp`` placement's
-    settings are the plug-in's (:class:`~cache_core.rooted_placement.FamilyPlacementSettings`)."""
+    settings are the plug-in's (:class:`~cache_core.hybrid.rooted_placement.FamilyPlacementSettings`)."""
 
     placement: str = "vllm"
     max_states: int = 32
@@ -67,7 +67,7 @@ class HybridSimConfig(FamilyPlacementSettings):
 
     @staticmethod
     def state_blocks_for(layout) -> int:
-        """KV blocks one state occupies for a :class:`~cache_core.hybrid_layout.HybridCacheLayout`:
+        """KV blocks one state occupies for a :class:`~cache_core.hybrid.layout.HybridCacheLayout`:
         vLLM groups layers so every group has as many layers, hence GDN groups per attention group."""
         return math.ceil(layout.linear_layers / layout.attention_layers)
 

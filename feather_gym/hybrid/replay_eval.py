@@ -1,4 +1,4 @@
-"""``feather replay eval`` (provider of feather_gym/cli.py): SuffixReplay on the hybrid model.
+"""``feather replay eval`` (provider of feather_cli/main.py): SuffixReplay on the hybrid model.
 
 ``feather replay eval [--model trained|tiny|DIR] [--page 256] [--prefix-tokens 1024,2048]
 [--replay-tokens 16,32,64,128,256] [--continuation-tokens 64] [--samples 4] [--needles 8]
@@ -12,7 +12,7 @@ anchors are stored and read back in ``--anchor-dtype`` (bfloat16 by default) bef
   rebuilt at the page boundary ``p`` (= the prefix length) against the exact one, by method,
   ``R`` and layer;
 * (b) ``quality``: over the ``--continuation-tokens`` tokens after ``p`` (exact attention KV,
-  replayed GDN states; :func:`cache_core.suffix_replay.continuation_logits`): mean next-token
+  replayed GDN states; :func:`feather_gym.hybrid.suffix_replay.continuation_logits`): mean next-token
   KL(exact || replayed) in nats, the perplexity ratio replayed/exact and top-1 agreement;
   ``needle``: a key-value needle ("The secret number for NAME is NNNNNN.") inside the last
   tokens before ``p`` or before every replay window, then the query after ``p``; a needle counts
@@ -20,15 +20,15 @@ anchors are stored and read back in ``--anchor-dtype`` (bfloat16 by default) bef
   it), for the exact states and the replayed ones side by side, with the per-digit accuracy and
   mean log-probability of the true digits (nats);
 * (c) ``storage``: bytes per cached token of the anchors against exact checkpoints every 8,192
-  tokens and every 256-token block (:class:`cache_core.hybrid_layout.HybridCacheLayout`), and,
+  tokens and every 256-token block (:class:`cache_core.hybrid.layout.HybridCacheLayout`), and,
   on the overlap depths of ``--workload`` at page-sized blocks, the tokens each recomputes per
   request beside the exact DP placement given the anchors' bytes per cached token, bytes
-  counted on the workload's prefix tree (:func:`cache_core.replay_placement.storage_on_workload`);
+  counted on the workload's prefix tree (:func:`cache_core.hybrid.replay_placement.storage_on_workload`);
 * (d) ``timing``: wall time to rebuild every GDN state by replay against recomputing the
   prefix (a full forward; the KV hit is not credited to it).
 
 Methods: ``uniform`` (every GDN layer, ``R`` anchors each), ``decay`` (the same total budget
-split by each layer's measured memory length, :func:`cache_core.suffix_replay.memory_lengths`),
+split by each layer's measured memory length, :func:`feather_gym.hybrid.suffix_replay.memory_lengths`),
 ``layerwise`` (residual-stream anchors at the first GDN layer after each attention layer; the
 layers below the lowest one start from the suffix's token embeddings, which cost no anchor bytes
 since the token ids are known; the layers in between are replayed through the decoder layers)
@@ -50,56 +50,6 @@ NAMES = ("Anna", "Boris", "Clara", "Dmitri", "Elena", "Fyodor", "Galina", "Igor"
          "Marina", "Nikolai", "Olga", "Pavel", "Rosa", "Sergei")
 
 
-def register(commands) -> None:
-    """Add ``feather replay eval``."""
-    replay = commands.group("replay", help="SuffixReplay: rebuild linear-attention states from anchors")
-    ev = replay.add_parser("eval", help="state error, quality retention, storage and rebuild time of SuffixReplay")
-    ev.add_argument("--model", default="trained", metavar="trained|tiny|DIR", help="hybrid model (default trained)")
-    ev.add_argument("--page", type=int, default=256, help="page size in tokens (default 256)")
-    ev.add_argument("--prefix-tokens", default="1024,2048", help="prefix lengths p, multiples of --page")
-    ev.add_argument("--replay-tokens", default="16,32,64,128,256", help="replay lengths R per layer")
-    ev.add_argument("--continuation-tokens", type=int, default=64, help="tokens scored after p (default 64)")
-    ev.add_argument("--samples", type=int, default=4, help="held-out windows per prefix length (default 4)")
-    ev.add_argument("--needles", type=int, default=8, help="needles per placement (default 8; 0 skips)")
-    ev.add_argument("--time-prefix-tokens", default="4096,16384,32768",
-                    help="prefix lengths whose recomputation is timed ('' skips)")
-    ev.add_argument("--anchor-dtype", default="bfloat16",
-                    help="anchor store dtype: the anchors replayed and the bytes counted (default bfloat16)")
-    ev.add_argument("--workload", default=DEFAULT_WORKLOAD, metavar="GEN_OR_FILE",
-                    help=f"workload whose overlap depths the storage comparison uses (default {DEFAULT_WORKLOAD}; "
-                         "'' skips)")
-    ev.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    ev.add_argument("--seed", type=int, default=0)
-    ev.add_argument("--json", action="store_true", help="print one JSON object on the last line")
-    ev.set_defaults(func=eval_command)
-
-
-def _ints(text: str, flag: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise ValueError(f"{flag} expects comma-separated integers, got {text!r}") from None
-    if any(v < 1 for v in values):
-        raise ValueError(f"{flag} expects positive integers, got {text!r}")
-    return values
-
-
-def eval_command(args) -> int:
-    prefixes = _ints(args.prefix_tokens, "--prefix-tokens")
-    if not prefixes or any(p % args.page for p in prefixes):
-        raise ValueError(f"--prefix-tokens must be non-empty multiples of --page {args.page}: {prefixes}")
-    report = evaluate(args.model, page=args.page, prefixes=prefixes,
-                      replay_tokens=_ints(args.replay_tokens, "--replay-tokens"),
-                      continuation=args.continuation_tokens, samples=args.samples, needles=args.needles,
-                      time_prefixes=_ints(args.time_prefix_tokens, "--time-prefix-tokens"),
-                      anchor_dtype=args.anchor_dtype, workload=args.workload, threads=args.threads,
-                      seed=args.seed)
-    print_report(report)
-    if args.json:
-        print(json.dumps(report))
-    return 0
-
-
 def evaluate(model_kind: str, *, page: int, prefixes: list[int], replay_tokens: list[int], continuation: int,
              samples: int, needles: int, time_prefixes: list[int], anchor_dtype: str = "bfloat16",
              workload: str = "", threads: int | None = None, seed: int = 0) -> dict:
@@ -108,9 +58,9 @@ def evaluate(model_kind: str, *, page: int, prefixes: list[int], replay_tokens: 
     import torch
     from transformers import AutoTokenizer
 
-    from cache_core import suffix_replay as sr
-    from cache_core.anchor_store import DTYPES
-    from cache_core.hybrid_layout import HybridCacheLayout
+    from feather_gym.hybrid import suffix_replay as sr
+    from cache_core.hybrid.anchor_store import DTYPES
+    from cache_core.hybrid.layout import HybridCacheLayout
     from feather_gym.hybrid.model import heldout_start
     from traces.text import corpus_token_ids
 
@@ -182,7 +132,7 @@ def evaluate(model_kind: str, *, page: int, prefixes: list[int], replay_tokens: 
                                     "vs_checkpoint_8192": per_token / storage["checkpoint_every_8192_bytes_per_token"],
                                     "vs_checkpoint_256": per_token / storage["checkpoint_every_256_bytes_per_token"]})
     if workload:
-        from cache_core.replay_placement import hit_tree_copies, storage_on_workload
+        from cache_core.hybrid.replay_placement import hit_tree_copies, storage_on_workload
         from traces.stats import overlap_depths, request_digests
         from traces.workload import resolve_workload
 
@@ -219,7 +169,7 @@ def _methods(sr, gdn, layer_anchored, kernel, anchor_dtype: str, page: int) -> d
     measured is that of the stored anchors."""
     import torch
 
-    from cache_core.anchor_store import AnchorStore
+    from cache_core.hybrid.anchor_store import AnchorStore
 
     def stored(anchors, p, x):
         sizes = {layer: a.shape[0] for layer, a in anchors.items()}

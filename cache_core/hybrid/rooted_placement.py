@@ -1,10 +1,10 @@
 """One checkpoint placement per prefix family, learnt online: the DP's problem is per shared prefix.
 
-The exact DP (:mod:`cache_core.placement`) places states along *one* shared prefix, given the
+The exact DP (:mod:`cache_core.hybrid.placement`) places states along *one* shared prefix, given the
 distribution of overlap depths with it. A server holds many unrelated prefixes (documents,
 conversations, system prompts), whose depth distributions differ: one placement at absolute
 depths for all of them fits none. :class:`RootedPlacement` keeps one
-:class:`~cache_core.overlap_estimator.OnlineOverlapEstimator` per *root*, the digest of a
+:class:`~cache_core.hybrid.overlap_estimator.OnlineOverlapEstimator` per *root*, the digest of a
 prompt's first block (prompts that share nothing are in different families), for the
 ``max_roots`` most recently seen roots (least recently seen forgotten first).
 
@@ -18,7 +18,7 @@ from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass
 
-from cache_core.overlap_estimator import OnlineOverlapEstimator
+from cache_core.hybrid.overlap_estimator import OnlineOverlapEstimator
 
 _NONE: frozenset[int] = frozenset()
 

@@ -2,7 +2,7 @@
 
 Each policy serves the workload twice: in the simulator (:mod:`feather_gym.simulator`, step
 times from the cost model of ``profile``) and on the live in-process vLLM engine
-(:func:`deploy.serve_bench.run_schedulers`, rounds alternated). The simulator is configured as
+(:func:`deploy.bench.harness.run_schedulers`, rounds alternated). The simulator is configured as
 the engine it is checked against: the engine's KV block size, token budget, ``max_num_seqs``
 and KV capacity (read from the started engine), the admission's ``max_wait_steps``, and the same
 regime (online at the trace's arrival times x ``time_scale``, the default, or every request at once).
@@ -45,7 +45,7 @@ import json
 import logging
 import time
 
-from deploy.serve_bench import DEFAULT_ONLINE
+from deploy.bench.harness import DEFAULT_ONLINE
 from feather_gym.policies import DEFAULT_MAX_WAIT_STEPS
 from traces.workload import ENGINE_SIZED_WORKLOADS
 
@@ -68,7 +68,7 @@ def as_served(trace, *, online: bool, time_scale: float):
     """``trace`` with the arrival times the live round submits it at (all 0 unless ``online``)."""
     import traces
 
-    from deploy.serve_bench import submission_offsets
+    from deploy.bench.harness import submission_offsets
 
     offsets = submission_offsets(trace, online=online, time_scale=time_scale)
     requests = [dataclasses.replace(r, arrival_s=float(t)) for r, t in zip(trace, offsets)]
@@ -78,7 +78,7 @@ def as_served(trace, *, online: bool, time_scale: float):
 def simulated_engine(llm, *, max_wait_steps: int):
     """The simulator's :class:`~feather_gym.simulator.EngineConfig` of the started engine ``llm``:
     its token budget, ``max_num_seqs``, KV block size and KV capacity, and the admission's bound."""
-    from deploy.serve_bench import kv_capacity
+    from deploy.bench.harness import kv_capacity
     from feather_gym.simulator import EngineConfig
 
     capacity = kv_capacity(llm)
@@ -173,11 +173,11 @@ def same_ranking(sim: dict[str, float], live: dict[str, float]) -> bool:
 
 
 def across_seeds(per_seed: dict[str, dict]) -> dict:
-    """Over the seeds of one workload: per policy after the first, :func:`~deploy.serve_bench.ratio_stats`
+    """Over the seeds of one workload: per policy after the first, :func:`~deploy.bench.harness.ratio_stats`
     of its simulated and its live ``ratio_to_first`` (one value per seed); per policy the mean
     over seeds of its ``same_first_step_fraction``; the seeds whose simulated and live rankings
     agree."""
-    from deploy.serve_bench import ratio_stats
+    from deploy.bench.harness import ratio_stats
 
     results = list(per_seed.values())
     return {"policies": {name: {side: ratio_stats([r["ratio_to_first"][name][side] for r in results], unit="seed")
@@ -195,7 +195,7 @@ def validate(workloads: dict[str, str], *, policies=DEFAULT_POLICIES, profile: s
              max_wait_steps: int = DEFAULT_MAX_WAIT_STEPS, max_input_tokens: int | None = None,
              max_output_tokens: int | None = None, seed: int = 0, num_seeds: int = 1) -> dict:
     """The whole report: one engine, and per workload and seed the simulator and the engine on every policy."""
-    from deploy.serve_bench import DEFAULT_BENCH_KV_CACHE_GIB, clip_lengths, kv_capacity, run_schedulers
+    from deploy.bench.harness import DEFAULT_BENCH_KV_CACHE_GIB, clip_lengths, kv_capacity, run_schedulers
     from feather_gym.costmodel import hardware_profile, load_cost_model
     from feather_gym.vllm_engine import resolve_kv_cache_gib, start_engine
     from traces import resolve_workload
@@ -287,45 +287,3 @@ def _stats(stats: dict) -> str:
 
 def _num(value) -> str:
     return "-" if value is None else f"{value:.4g}"
-
-
-def register(commands) -> None:
-    """Add ``sim validate`` to the ``feather`` command tree."""
-    from deploy.cli import add_submission_arguments
-
-    parser = commands.group("sim", help="simulate serving policies").add_parser(
-        "validate", help="the simulator against the live vLLM engine, same workload and policies",
-        description=__doc__.splitlines()[0])
-    parser.add_argument("--workload", action="append", metavar="[NAME=]SPEC",
-                        help="workload spec, repeatable; default: " + ", ".join(DEFAULT_WORKLOADS))
-    parser.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
-                        help="comma-separated: fcfs (vLLM's scheduler), feather-rule, *.onnx (default %(default)s)")
-    parser.add_argument("--profile", default=None, help="cost-model profile (default: this hardware's)")
-    parser.add_argument("--rounds", type=int, default=3, help="live rounds per policy (default 3)")
-    add_submission_arguments(parser)
-    parser.add_argument("--kv-cache-gib", type=float, default=None,
-                        help="KV cache (GiB; default $VLLM_CPU_KVCACHE_SPACE, else the bench's 0.25)")
-    parser.add_argument("--max-wait-steps", type=int, default=DEFAULT_MAX_WAIT_STEPS,
-                        help="the admission's waiting-time bound in engine steps (default %d)" % DEFAULT_MAX_WAIT_STEPS)
-    parser.add_argument("--max-input-tokens", type=int, default=None)
-    parser.add_argument("--max-output-tokens", type=int, default=None)
-    parser.add_argument("--seed", type=int, default=0, help="the workload's (first) seed (default 0)")
-    parser.add_argument("--seeds", type=int, default=1,
-                        help="seeds per workload: --seed, --seed + 1, ... (default 1); a summary over them")
-    parser.add_argument("--json", action="store_true", help="print the report as one JSON object (last line)")
-    parser.set_defaults(func=_command)
-
-
-def _command(args) -> int:
-    from deploy.cli import parse_workloads, submission
-
-    report = validate(parse_workloads(args.workload) or DEFAULT_WORKLOADS,
-                      policies=[p for p in args.policies.split(",") if p], profile=args.profile,
-                      rounds=args.rounds, **submission(args),
-                      kv_cache_gib=args.kv_cache_gib, max_wait_steps=args.max_wait_steps,
-                      max_input_tokens=args.max_input_tokens, max_output_tokens=args.max_output_tokens,
-                      seed=args.seed, num_seeds=args.seeds)
-    print(format_report(report))
-    if args.json:
-        print(json.dumps(report))
-    return 0

@@ -1,11 +1,11 @@
 """SuffixReplay as a placement: exact checkpoints, replay anchors, or both, at equal bytes.
 
-The model extends :mod:`cache_core.placement` (one shared prefix path of ``N`` blocks; a
+The model extends :mod:`cache_core.hybrid.placement` (one shared prefix path of ``N`` blocks; a
 request's overlap depth ``t`` in blocks; page = block):
 
 * an **exact state** at position ``c`` (``HybridCacheLayout.state_bytes``) lets a request of
   depth ``t >= c`` resume at ``c`` with no rebuild;
-* an **anchor entry** at ``c`` (one :class:`~cache_core.anchor_store.AnchorStore` entry:
+* an **anchor entry** at ``c`` (one :class:`~cache_core.hybrid.anchor_store.AnchorStore` entry:
   ``R`` anchors per anchored GDN layer, ``AnchorStore.entry_bytes``) lets it resume at ``c``
   after a replay that takes ``rebuild_ms`` and leaves an approximate state (the quality cost
   that ``feather replay eval`` measures: next-token KL, perplexity ratio);
@@ -17,7 +17,7 @@ Bytes. A placement is a set ``C`` of depths in ``1..N`` per prefix family (a pro
 page); an item at depth ``c`` of family ``f`` is stored in ``copies[f, c - 1]`` prefix-tree
 nodes, so ``C`` holds ``sum(copies[f, C - 1]) * item bytes``. With one family and one copy per
 depth (the path model) this is the bytes of one shared prefix path, as in
-:func:`cache_core.placement_eval.evaluate_placements`; with the workload's hit tree
+:func:`cache_core.hybrid.placement_eval.evaluate_placements`; with the workload's hit tree
 (:func:`hit_tree_copies`) it is the bytes of the whole cache, and every request resumes
 exactly as in its family's path model. At a budget of ``B`` bytes (``B = m * state_bytes`` for the evaluation's
 budget ``m``), :func:`compare_at_equal_bytes` compares four configurations, each taking the
@@ -25,7 +25,7 @@ most its rule fits in ``B``:
 
 * ``align_grid``: exact states every ``s`` blocks from the start, ``s`` the finest step that
   fits (``s = 1``, every block, is vLLM's align grid);
-* ``dp``: the exact DP of each family (:func:`cache_core.placement.solve`), budgets split
+* ``dp``: the exact DP of each family (:func:`cache_core.hybrid.placement.solve`), budgets split
   between families greedily by recompute removed per byte (:func:`dp_allocations`);
 * ``replay``: no exact state, anchors on every page boundary when they fit, else as many as
   fit spread evenly (:func:`spread_anchors`);
@@ -52,15 +52,15 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from cache_core.placement import PlacementProblem, resume_positions, solve
-from cache_core.placement_heuristics import EveryBlocks, TokenGrid
-from cache_core.recompute_cost import PrefillTime
+from cache_core.hybrid.placement import PlacementProblem, resume_positions, solve
+from cache_core.hybrid.placement_heuristics import EveryBlocks, TokenGrid
+from cache_core.hybrid.recompute_cost import PrefillTime
 
 
 def anchor_entry_bytes(*, hidden_size: int, anchored_layers, replay_tokens: int, dtype: str = "bfloat16") -> int:
     """Bytes of one page boundary's anchors, as :class:`AnchorStore` accounts them (``R`` per
     anchored layer)."""
-    from cache_core.anchor_store import AnchorStore
+    from cache_core.hybrid.anchor_store import AnchorStore
 
     store = AnchorStore(sys.maxsize, hidden_size=hidden_size, dtype=dtype,
                         replay_tokens=dict.fromkeys(anchored_layers, replay_tokens))
@@ -191,7 +191,7 @@ def hit_tree_copies(digests: list[list[int]], depths) -> tuple[np.ndarray, np.nd
 def dp_allocations(depths, family: np.ndarray, copies: np.ndarray, state_bytes: int) -> list[dict]:
     """Exact DP placements per family under one byte budget, as a greedy sequence.
 
-    Each family ``f`` gets the exact DP of its own depths (:func:`cache_core.placement.solve`),
+    Each family ``f`` gets the exact DP of its own depths (:func:`cache_core.hybrid.placement.solve`),
     whose budget ``k`` costs ``copies[f, C_f(k) - 1].sum() * state_bytes``. From nothing stored,
     each step raises one family's budget to the one that removes the most recomputed tokens per
     added byte (a ratio tie goes to the smaller budget); the sequence ends when no raise removes
@@ -199,7 +199,7 @@ def dp_allocations(depths, family: np.ndarray, copies: np.ndarray, state_bytes: 
     (tree nodes holding a state), ``at_exact`` (per request, the deepest state at or below its
     depth, blocks) and ``placements`` (per family, the sorted depths). With one family and one
     copy per depth the steps are the DP's budgets 0, 1, 2, ... while its cost is convex in the
-    budget (it is, up to float rounding: :mod:`cache_core.placement`).
+    budget (it is, up to float rounding: :mod:`cache_core.hybrid.placement`).
     """
     depths = np.asarray(depths, dtype=np.int64)
     members = [np.flatnonzero(family == f) for f in range(copies.shape[0])]

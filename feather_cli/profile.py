@@ -3,11 +3,11 @@
 ``feather profile refit --from-logs LOG... --profile BASE --output NEW.json [--json]`` fits the
 step-time model to engine steps the Feather scheduler logged live (``additional_config
 ["feather"]["step_log"]``), (with the base profile's rows too with ``--with-base``), and prints the
-error on held-out live steps before (BASE) and after (NEW); see :mod:`.refit`.
+error on held-out live steps before (BASE) and after (NEW); see :mod:`feather_gym.costmodel.refit`.
 
 ``feather profile prefill --model hybrid|DIR --backend torch|vllm --lengths 256,512,...
---out FILE [--json]`` times prefills of fresh prompts from 0 and fits the prefill-time model
-(:class:`cache_core.recompute_cost.PrefillTime`) that ``feather placement eval
+-o FILE [--json]`` times prefills of fresh prompts from 0 and fits the prefill-time model
+(:class:`cache_core.hybrid.recompute_cost.PrefillTime`) that ``feather placement eval
 --prefill-profile`` reads.
 """
 
@@ -16,23 +16,25 @@ from __future__ import annotations
 import json
 import sys
 
-from .homogeneity import PAPER_SPEEDUP_BAND
-from .profile_io import PHASES
+from feather_cli.options import add_json, add_output
+from feather_gym.costmodel.homogeneity import PAPER_SPEEDUP_BAND
+from feather_gym.costmodel.profile_io import PHASES
+from feather_gym.costmodel.shapes import MODEL_PRESETS
 
 
 def _run(args) -> int:
-    from .profile_io import save_profile
+    from feather_gym.costmodel.profile_io import save_profile
 
     def progress(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
     if args.backend == "torch":
-        from .profiler_torch import run_torch_profile
+        from feather_gym.costmodel.profiler_torch import run_torch_profile
 
         profile = run_torch_profile(args.model, args.device, quick=args.quick, profiled_layers=args.layers,
                                     repeats=args.repeats, name=args.name, progress=progress, threads=args.threads)
     else:
-        from .profiler_vllm import run_vllm_profile
+        from feather_gym.costmodel.profiler_vllm import run_vllm_profile
 
         profile = run_vllm_profile(args.model, args.device, quick=args.quick, repeats=args.repeats,
                                    name=args.name, progress=progress, threads=args.threads)
@@ -41,38 +43,10 @@ def _run(args) -> int:
     return 0
 
 
-#: (batch size, groups, prefix tokens, own tokens) of the homogeneity comparison on small models,
-#: unless the profile's ``settings.homogeneity_point`` names the one its grid measured.
-CPU_HOMOGENEITY = (32, 8, 8192, 256)
-
-
-def fit_report(profile: dict) -> dict:
-    """Held-out error, fitted coefficients and the homogeneity comparison for each attention variant."""
-    from .fit import attention_variants, cross_validate
-    from .homogeneity import homogeneity_comparison, measured_comparison, paper_check
-    from .model import cost_model_from_profile
-
-    report = {"profile": profile["name"], "kind": profile["kind"], "backend": profile["backend"],
-              "model": profile["model"]["name"], "hardware": profile["hardware"]["name"], "variants": {}}
-    homogeneity_point = tuple(profile["settings"].get("homogeneity_point", CPU_HOMOGENEITY))
-    for variant in attention_variants(profile):
-        model = cost_model_from_profile(profile, cascade=variant == "cascade")
-        entry = {"coefficients": model.describe()}
-        if profile["kind"] == "measured":
-            entry["held_out"] = cross_validate(profile, cascade=variant == "cascade")
-        if profile["model"]["name"] == "llama3-8b":
-            entry["homogeneity"] = paper_check(model)
-        else:  # the points the CPU grids always measure (HOMOGENEITY_POINTS, VLLM_HOMOGENEITY)
-            entry["homogeneity"] = homogeneity_comparison(model, *homogeneity_point)
-            if profile["kind"] == "measured":
-                entry["homogeneity_measured"] = measured_comparison(profile, variant, *homogeneity_point)
-        report["variants"][variant] = entry
-    return report
-
-
 def _fit(args) -> int:
-    from .model import profile_path
-    from .profile_io import load_profile
+    from feather_gym.costmodel.fit_report import fit_report
+    from feather_gym.costmodel.model import profile_path
+    from feather_gym.costmodel.profile_io import load_profile
 
     report = fit_report(load_profile(profile_path(args.profile)))
     for variant, entry in report["variants"].items():
@@ -114,8 +88,8 @@ def _rate(value, unit: str) -> str:
 
 
 def _analytic(args) -> int:
-    from .analytic import analytic_profile
-    from .profile_io import save_profile
+    from feather_gym.costmodel.analytic import analytic_profile
+    from feather_gym.costmodel.profile_io import save_profile
 
     save_profile(analytic_profile(args.gpu, args.model), args.output)
     print(f"wrote analytic profile {args.gpu} ({args.model}) to {args.output}")
@@ -125,7 +99,7 @@ def _analytic(args) -> int:
 def _prefill(args) -> int:
     from pathlib import Path
 
-    from cache_core import recompute_cost
+    from feather_gym.costmodel.prefill_profiler import profile_prefill
 
     try:
         lengths = [int(part) for part in args.lengths.split(",") if part.strip()]
@@ -139,32 +113,22 @@ def _prefill(args) -> int:
         model_dir = args.model
     else:
         raise ValueError(f"--model expects 'hybrid' or a model folder with a config.json, got {args.model!r}")
-    if args.backend == "torch":
-        points = recompute_cost.profile_torch(model_dir, lengths, args.dtype, repeats=args.repeats,
-                                              threads=args.threads)
-    else:
-        from feather_gym.vllm_engine import start_engine
-
-        llm = start_engine(model_dir, dtype=args.dtype, max_model_len=max(lengths) + 16, threads=args.threads)
-        points = recompute_cost.profile_vllm(llm, lengths, repeats=args.repeats)
-    model = recompute_cost.PrefillTime.fit(points)
-    report = {**model.to_dict(), "backend": args.backend, "model": model_dir, "dtype": args.dtype,
-              "threads": args.threads, "repeats": args.repeats,
-              "points": [{"tokens": n, "ms": ms, "fit_ms": model.ms(0, n)} for n, ms in points]}
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    report = profile_prefill(model_dir, lengths, backend=args.backend, dtype=args.dtype, repeats=args.repeats,
+                             threads=args.threads)
+    Path(args.output).write_text(json.dumps(report, indent=2) + "\n")
     for point in report["points"]:
         print(f"  {point['tokens']:>6} tokens: {point['ms']:8.1f} ms (fit {point['fit_ms']:8.1f})")
-    print(f"prefill ms = {model.fixed_ms:.2f} + {model.ms_per_token:.4g} n + {model.ms_per_token_squared:.4g} n^2 "
-          f"({args.backend}, {model_dir}); wrote {args.out}")
+    print(f"prefill ms = {report['fixed_ms']:.2f} + {report['ms_per_token']:.4g} n + "
+          f"{report['ms_per_token_squared']:.4g} n^2 ({args.backend}, {model_dir}); wrote {args.output}")
     if args.json:
         print(json.dumps(report))
     return 0
 
 
 def _refit(args) -> int:
-    from .model import profile_path
-    from .profile_io import load_profile, save_profile
-    from .refit import read_step_logs, refit_profile
+    from feather_gym.costmodel.model import profile_path
+    from feather_gym.costmodel.profile_io import load_profile, save_profile
+    from feather_gym.costmodel.refit import read_step_logs, refit_profile
 
     steps, skipped = read_step_logs(args.from_logs)
     profile, report = refit_profile(load_profile(profile_path(args.profile)), steps, clock=args.clock,
@@ -184,11 +148,9 @@ def _refit(args) -> int:
     return 0
 
 
-def register(commands) -> None:
+def register(tree) -> None:
     """Add ``feather profile run|fit|analytic|prefill|refit``."""
-    from .shapes import MODEL_PRESETS
-
-    profile = commands.group("profile", help="profile decode steps and fit step-time cost models")
+    profile = tree.group("profile")
     run = profile.add_parser("run", help="measure decode/prefill/mixed step times over a grid of step compositions")
     run.add_argument("--backend", choices=("torch", "vllm"), default="torch")
     run.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -201,16 +163,16 @@ def register(commands) -> None:
     run.add_argument("--threads", type=int, default=1,
                      help="torch intra-op threads (default 1: steps are timed in thread CPU time, robust to load)")
     run.add_argument("--name", default=None, help="profile name (default: the device)")
-    run.add_argument("-o", "--output", required=True, help="profile JSON file to write")
+    add_output(run, "profile JSON file to write")
     run.set_defaults(func=_run)
     fit = profile.add_parser("fit", help="fit a cost model to a profile; print held-out error and homogeneity check")
     fit.add_argument("profile", help="profile file or shipped name")
-    fit.add_argument("--json", action="store_true", help="print the report as one JSON object on the last line")
+    add_json(fit)
     fit.set_defaults(func=_fit)
     analytic = profile.add_parser("analytic", help="write an analytic GPU profile from public specs")
     analytic.add_argument("--gpu", required=True, help="h100, h200, a100, rtx6000-ada")
     analytic.add_argument("--model", choices=tuple(MODEL_PRESETS), default="llama3-8b")
-    analytic.add_argument("-o", "--output", required=True)
+    add_output(analytic, "profile JSON file to write")
     analytic.set_defaults(func=_analytic)
     prefill = profile.add_parser("prefill", help="time prefills from 0 and fit ms = a + b n + c n^2 (placement eval)")
     prefill.add_argument("--model", default="hybrid", metavar="hybrid|DIR",
@@ -221,14 +183,14 @@ def register(commands) -> None:
     prefill.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
     prefill.add_argument("--repeats", type=int, default=3, help="timed prefills per length, median kept (default 3)")
     prefill.add_argument("--threads", type=int, default=1, help="torch threads, also the engine's (default 1)")
-    prefill.add_argument("--out", required=True, help="prefill-time JSON file to write")
-    prefill.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    add_output(prefill, "prefill-time JSON file to write", old="--out")
+    add_json(prefill)
     prefill.set_defaults(func=_prefill)
     refit = profile.add_parser("refit", help="refit a profile on steps the live engine logged; held-out error before/after")
     refit.add_argument("--from-logs", nargs="+", required=True, metavar="LOG",
                        help="step-log JSONL files of the Feather scheduler (rotated ones too)")
     refit.add_argument("--profile", required=True, help="base profile file or shipped name")
-    refit.add_argument("--output", required=True, help="refit profile JSON file to write")
+    add_output(refit, "refit profile JSON file to write")
     refit.add_argument("--clock", choices=("wall", "cpu"), default=None,
                        help="fit the steps' wall time or the engine thread's CPU time (default: the base profile's "
                             "clock; the shipped vllm-cpu profile is CPU time)")
@@ -240,5 +202,5 @@ def register(commands) -> None:
     refit.add_argument("--with-base", action="store_true",
                        help="fit the base profile's rows together with the live steps (default: the live steps alone)")
     refit.add_argument("--name", default=None, help="name of the new profile (default: BASE-refit)")
-    refit.add_argument("--json", action="store_true", help="print the report as one JSON object on the last line")
+    add_json(refit)
     refit.set_defaults(func=_refit)

@@ -11,7 +11,7 @@ oldest running request, and a new arrival is added so W stays constant. Single c
 timed with ``perf_counter_ns`` (which adds ~0.05 µs), with the garbage collector off as
 ``timeit`` does. Numbers are printed, never asserted.
 
-Against SGLang's LPM (:mod:`cache_core.lpm_baseline`), twice:
+Against SGLang's LPM (:mod:`cache_core.cht.lpm`), twice:
 
 * at W = ``--lpm-waiting`` (5,000): one LPM pass against one CHT decision. SGLang itself runs
   FCFS there (LPM only while at most :data:`SGLANG_LPM_MAX_WAITING` requests wait); the figure
@@ -35,49 +35,12 @@ from collections import deque
 import numpy as np
 
 from traces.chunk_hash import DEFAULT_CHUNK_SIZE, chained_chunk_hashes, request_chunk_hashes
-from cache_core.cht import ChunkedHashTree
+from cache_core.cht.tree import ChunkedHashTree
 
 MOONCAKE_TRACE = "mooncake_conversation_trace.jsonl"
 #: SGLang's scheduler runs LPM only while the waiting queue holds at most this many requests, FCFS above.
 SGLANG_LPM_MAX_WAITING = 128
 TARGETS = {"add_10k_us": 50.0, "find_best_w20000_us_p50": 5.0, "activate_finish_10k_us": 50.0, "lpm_speedup_x": 1000.0}
-
-
-def register(commands) -> None:
-    bench = commands.group("bench", help="benchmarks: numbers printed, never asserted")
-    parser = bench.add_parser("cht", help="Chunked Hash Tree: add/find_best/activate/finish µs, memory, "
-                                          "speed-up over an SGLang LPM pass")
-    parser.add_argument("--json", action="store_true", help="end with one JSON object on the last line")
-    parser.add_argument("--waiting", type=_int_list, default=[1000, 5000, 20000],
-                        help="comma-separated waiting-queue sizes W (default 1000,5000,20000)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--groups", type=int, default=50, help="prefix groups (default 50)")
-    parser.add_argument("--prefix-tokens", type=int, default=4000, help="shared prefix per group (default 4000)")
-    parser.add_argument("--suffix-tokens", type=int, default=100, help="unique suffix per request (default 100)")
-    parser.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE)
-    parser.add_argument("--batch", type=int, default=64, help="running batch size (default 64)")
-    parser.add_argument("--steps", type=int, default=2000, help="scheduling steps timed per W (default 2000)")
-    parser.add_argument("--lpm-waiting", type=int, default=5000,
-                        help="W of the per-decision SGLang LPM comparison (default 5000)")
-    parser.add_argument("--lpm-round-waiting", type=_int_list, default=[32, 64, 128],
-                        help=f"comma-separated W (<= {SGLANG_LPM_MAX_WAITING}) of the per-round SGLang LPM "
-                             "comparison (default 32,64,128)")
-    parser.add_argument("--round-repeats", type=int, default=21, help="timed rounds per W and side (default 21)")
-    parser.add_argument("--long-prompts", type=int, default=1000,
-                        help="10K-token prompts for add/activate/finish and the chunk-size sweep (default 1000)")
-    parser.add_argument("--no-trace", action="store_true", help="skip the Mooncake trace run")
-    parser.set_defaults(func=run)
-
-
-def _int_list(text: str) -> list[int]:
-    """argparse type: "1000,5000" -> [1000, 5000] (positive integers)."""
-    try:
-        values = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
-    return values
 
 
 class PrefixGroupPrompts:
@@ -241,7 +204,7 @@ def bench_chunk_sizes(args, count: int, sizes=(16, 32, 64, 128, 256, 512)) -> li
 
 def radix_cache(running: list[list[int]]):
     """SGLang's radix cache holding the ``running`` prompts."""
-    from cache_core.lpm_baseline import RadixCache
+    from cache_core.cht.lpm import RadixCache
 
     cache = RadixCache()
     for prompt in running:
@@ -266,7 +229,7 @@ def admit(cht: ChunkedHashTree, limit: int) -> None:
 
 def bench_lpm(cht: ChunkedHashTree, running: list[list[int]], waiting: list[list[int]]) -> dict:
     """One SGLang LPM pass over the waiting queue vs one CHT decision, same running set."""
-    from cache_core.lpm_baseline import lpm_pass
+    from cache_core.cht.lpm import lpm_pass
 
     lpm_us = _timed(lpm_pass, radix_cache(running), waiting) / 1e3
     decision_us = _us([_timed(one_decision, cht) for _ in range(1000)], 50)
@@ -277,7 +240,7 @@ def bench_lpm(cht: ChunkedHashTree, running: list[list[int]], waiting: list[list
 def bench_lpm_rounds(args, waiting: int) -> list[dict]:
     """Per scheduling round at W = ``waiting`` (see the module docstring), for two running sets of
     ``--batch`` requests: the first ones the CHT picks (few groups) and the first arrivals (FCFS)."""
-    from cache_core.lpm_baseline import lpm_pass
+    from cache_core.cht.lpm import lpm_pass
 
     prompts = PrefixGroupPrompts(args.seed, args.groups, args.prefix_tokens, args.suffix_tokens)
     log: dict[int, tuple] = {}
@@ -319,26 +282,6 @@ def bench_mooncake(args) -> dict | None:
     result |= schedule(cht, None, len(digests), args.batch, first_id=len(digests))
     result["peak_bytes_per_request"] = peak_bytes_per_request(trace.block_size, digests)
     return result
-
-
-def run(args) -> int:
-    if min(args.chunk_size, args.batch, args.steps, args.lpm_waiting, args.long_prompts, args.round_repeats) < 1:
-        raise ValueError("--chunk-size, --batch, --steps, --lpm-waiting, --long-prompts and --round-repeats "
-                         "must be >= 1")
-    if max(args.lpm_round_waiting) > SGLANG_LPM_MAX_WAITING:
-        raise ValueError(f"--lpm-round-waiting: SGLang runs LPM only up to W={SGLANG_LPM_MAX_WAITING}, "
-                         f"got {max(args.lpm_round_waiting)}")
-    gc_was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        report = measure(args)
-    finally:
-        if gc_was_enabled:
-            gc.enable()
-    print_table(report)
-    if args.json:
-        print(json.dumps(report))
-    return 0
 
 
 def measure(args) -> dict:

@@ -1,4 +1,4 @@
-"""Distribution-blind checkpoint placements, the baselines for the exact DP (cache_core.placement).
+"""Distribution-blind checkpoint placements, the baselines for the exact DP (cache_core.hybrid.placement).
 
 Every heuristic maps ``(N, budget)`` to at most ``budget`` distinct positions in ``1..N``
 (position 0, the implicit start, is never stored) and ignores the overlap distribution.

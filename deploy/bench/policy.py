@@ -16,19 +16,6 @@ import time
 import numpy as np
 
 
-def vllm_request(request_id: str, tokens: np.ndarray, *, block_size: int, arrival_time: float,
-                 max_tokens: int = 16):
-    """A real vLLM v1 ``Request`` with its prefix-cache block hashes (sha256, as the engine's default)."""
-    from vllm import SamplingParams
-    from vllm.utils.hashing import sha256
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.request import Request
-
-    init_none_hash(sha256)
-    return Request(request_id, [int(t) for t in tokens], SamplingParams(max_tokens=max_tokens), None,
-                   arrival_time=arrival_time, block_hasher=get_request_block_hasher(block_size, sha256))
-
-
 def _percentiles_us(samples_ns: list[int], name: str) -> dict[str, float]:
     us = np.asarray(samples_ns, dtype=np.float64) / 1e3
     p50, p90, p99 = np.percentile(us, [50, 90, 99])
@@ -48,7 +35,8 @@ def _time_calls(call, args: list, warmup: int) -> list[int]:
 def bench_policy(policy_path: str, *, iterations: int = 20_000, waiting: int = 256, running: int = 32,
                  block_size: int = 128, device: str = "cpu", seed: int = 0) -> dict:
     """Decision-latency figures of the policy at ``policy_path`` (see the module docstring)."""
-    from cache_core.cht import ChunkedHashTree
+    from cache_core.cht.tree import ChunkedHashTree
+    from deploy.vllm_request import vllm_request
     from deploy.admission import PolicyAdmission
     from deploy.waiting_queue import CHTWaitingQueue
     from feather_gym.policies import OnnxFilePolicy

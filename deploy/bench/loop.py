@@ -12,7 +12,7 @@ a trained run folder (``feather-train --output RUN``):
    subprocess (Ray stays out of the engine's process); the resumed network is validated first,
    so a fine-tune that finds nothing better exports the same network;
 4. **judge**: vLLM's own scheduler, the policy before and the policy after, side by side
-   (:func:`deploy.serve_bench.run_schedulers`: warm-up per side, rotated order, paired rounds).
+   (:func:`deploy.bench.harness.run_schedulers`: warm-up per side, rotated order, paired rounds).
 
 The report: the refit's errors, ``decisions_changed`` (the share of the logged decisions on
 which the new policy acts differently from the old one: 0 means the cycle left the policy as
@@ -29,8 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
-from deploy.serve_bench import (DEFAULT_BENCH_KV_CACHE_GIB, DEFAULT_ONLINE, DEFAULT_WORKLOADS, kv_capacity,
-                                ratio_stats, run_round, run_schedulers)
+from deploy.bench.harness import DEFAULT_BENCH_KV_CACHE_GIB, DEFAULT_ONLINE, kv_capacity, ratio_stats, run_round, run_schedulers
+from deploy.bench.serve import DEFAULT_WORKLOADS
 from feather_gym.vllm_engine import resolve_kv_cache_gib, start_engine
 
 DEFAULT_ROUNDS = 3
@@ -62,7 +62,7 @@ def online_loop(run: str, *, output: str, workloads: dict[str, str] | None = Non
                 kv_cache_gib: float | None = None, seed: int = 0, online: bool = DEFAULT_ONLINE,
                 time_scale: float = 1.0) -> dict:
     """The whole report (see the module docstring); every round submits as ``online`` and
-    ``time_scale`` say (:func:`deploy.serve_bench.submission_offsets`)."""
+    ``time_scale`` say (:func:`deploy.bench.harness.submission_offsets`)."""
     from vllm.v1.core.sched.scheduler import Scheduler
 
     from deploy.scheduler import FeatherConfig, FeatherScheduler, load_deployable_policy

@@ -4,7 +4,7 @@ Each observed overlap depth (in blocks, clipped to the horizon ``N``) enters an
 exponentially decayed histogram: an observation made ``j`` observations ago weighs
 ``decay**j``, so the estimate forgets old traffic with a half-life of
 ``ln 2 / -ln(decay)`` observations. Every ``resolve_every`` observations the exact DP
-(:func:`cache_core.placement.solve`) re-solves the placement for the current estimate.
+(:func:`cache_core.hybrid.placement.solve`) re-solves the placement for the current estimate.
 
 Cost: ``observe`` is O(1) amortised (decay is applied lazily through a growing weight and
 folded into the histogram only when that weight nears overflow); a re-solve costs one DP
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from cache_core.placement import PlacementProblem, PlacementSolution, solve
+from cache_core.hybrid.placement import PlacementProblem, PlacementSolution, solve
 
 #: Fold the lazy weight into the histogram before it can overflow float64.
 _RESCALE_ABOVE = 1e200

@@ -1,4 +1,4 @@
-"""``feather trace``: workload statistics and generation (provider of feather_gym/cli.py).
+"""``feather trace``: workload statistics and generation.
 
 * ``feather trace stats SPEC [--block-size N] [--seed S] [--skip-bad] [--json]``: the
   statistics of :func:`traces.stats.trace_stats` for a trace file, a shared trace name or a
@@ -13,19 +13,20 @@ import json
 import sys
 import time
 
+from feather_cli.options import add_json, add_output
+from traces.generators import GENERATOR_KINDS
 
-def register(commands) -> None:
-    """Add ``feather trace stats|gen`` to the ``feather`` command tree."""
-    from traces.generators import GENERATOR_KINDS
 
-    trace = commands.group("trace", help="workload traces: statistics and generation")
+def register(tree) -> None:
+    """Add ``feather trace stats|gen``."""
+    trace = tree.group("trace")
     stats = trace.add_parser("stats", help="statistics of a trace file, shared trace or generator spec")
     stats.add_argument("spec", metavar="FILE_OR_GENERATOR",
                        help="trace file, shared trace (mooncake, azure-conv) or KIND[:key=value,...]")
     stats.add_argument("--block-size", type=int, default=512, help="prefix block size in tokens (default 512)")
     stats.add_argument("--seed", type=int, default=0, help="generator seed (default 0)")
     stats.add_argument("--skip-bad", action="store_true", help="skip bad lines of a trace file and count them")
-    stats.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    add_json(stats)
     stats.set_defaults(func=stats_command)
 
     gen = trace.add_parser("gen", help="write a generated workload as native JSONL")
@@ -34,7 +35,7 @@ def register(commands) -> None:
     gen.add_argument("--num-requests", type=int, help="number of requests (default: the generator's)")
     gen.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
                      help="a generator parameter (repeatable)")
-    gen.add_argument("-o", "--output", required=True, metavar="FILE")
+    add_output(gen, "native JSONL file to write", metavar="FILE")
     gen.set_defaults(func=gen_command)
 
 

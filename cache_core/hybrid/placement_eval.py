@@ -1,7 +1,7 @@
 """Placement reports: the recompute-vs-states frontier of a workload, and the solver benchmark.
 
 Both return plain dicts (snake_case keys carrying their unit) that ``feather placement eval``
-and ``feather bench placement`` print (cache_core/placement_cli.py).
+and ``feather bench placement`` print (feather_cli/placement.py).
 """
 
 from __future__ import annotations
@@ -10,12 +10,18 @@ import time
 
 import numpy as np
 
-from cache_core.hybrid_layout import HybridCacheLayout
-from cache_core.overlap_estimator import OnlineOverlapEstimator
-from cache_core.placement import PlacementProblem, PlacementSolution, resume_positions, solve, solve_oracle
-from cache_core.placement_heuristics import PlacementHeuristic, default_heuristics
-from cache_core.recompute_cost import PrefillTime
-from cache_core.replay_placement import ReplayCost, compare_at_equal_bytes, ttft_ms
+from cache_core.hybrid.layout import HybridCacheLayout
+from cache_core.hybrid.overlap_estimator import OnlineOverlapEstimator
+from cache_core.hybrid.placement import PlacementProblem, PlacementSolution, resume_positions, solve, solve_oracle
+from cache_core.hybrid.placement_heuristics import PlacementHeuristic, default_heuristics, engine_grids
+from cache_core.hybrid.recompute_cost import PrefillTime
+from cache_core.hybrid.replay_placement import ReplayCost, compare_at_equal_bytes, hit_tree_copies, ttft_ms
+from traces.stats import overlap_depths, request_digests
+
+#: Budgets of the evaluation unless told otherwise: 1, 2, 4, ..., 256.
+DEFAULT_BUDGETS = tuple(2**i for i in range(9))
+#: Block size for traces that carry token ids (a trace with block ids uses its own).
+DEFAULT_BLOCK_SIZE = 16
 
 
 def replay_online(depths: np.ndarray, budgets: list[int], *, num_positions: int, decay: float,
@@ -99,12 +105,12 @@ def evaluate_placements(depths, *, block_size: int, budgets: list[int],
       DP solved with ``block_costs = prefill.block_costs(block_size, N)``: it minimises the
       expected recompute time (ms) rather than tokens.
 
-    SuffixReplay. With ``replay`` (:class:`~cache_core.replay_placement.ReplayCost`, needs
+    SuffixReplay. With ``replay`` (:class:`~cache_core.hybrid.replay_placement.ReplayCost`, needs
     ``layout``) the report adds ``equal_bytes``: align grid, DP only, replay only and DP plus
     replay at ``budgets[i] * layout.state_bytes`` bytes
-    (:func:`~cache_core.replay_placement.compare_at_equal_bytes`): per shared prefix, where its
+    (:func:`~cache_core.hybrid.replay_placement.compare_at_equal_bytes`): per shared prefix, where its
     ``dp`` is ``dp`` here, or, with ``tree = (family, copies)``
-    (:func:`~cache_core.replay_placement.hit_tree_copies`), on the workload's whole prefix tree.
+    (:func:`~cache_core.hybrid.replay_placement.hit_tree_copies`), on the workload's whole prefix tree.
     """
     if not budgets or min(budgets) < 0:
         raise ValueError(f"budgets must be a non-empty list of non-negative integers, got {budgets}")
@@ -252,3 +258,25 @@ def benchmark_solver(*, num_positions: int = 4096, budget: int = 256, repeats: i
         "optimal_cost_blocks": float(fast.costs[budget]),
         "fast_ms_by_shape": by_shape,
     }
+
+
+def evaluate_workload(trace, *, block_size: int | None, cache_blocks: int | None, budgets: list[int],
+                      decay: float, resolve_every: int, layout: HybridCacheLayout | None = None,
+                      prefill: PrefillTime | None = None, replay: ReplayCost | None = None,
+                      replay_accounting: str = "tree") -> dict:
+    """:func:`evaluate_placements` on the overlap depths of ``trace`` (infinite cache, or LRU of
+    ``cache_blocks`` blocks) at ``block_size`` (default: the trace's own, else
+    :data:`DEFAULT_BLOCK_SIZE`). With a layout or a prefill model, the engine's grids join the
+    heuristics; with ``replay`` and ``replay_accounting="tree"``, bytes are counted on the
+    workload's whole prefix tree."""
+    block_size = block_size or trace.block_size or DEFAULT_BLOCK_SIZE
+    depths = overlap_depths(trace, block_size=block_size, cache_blocks=cache_blocks)
+    hybrid = layout is not None or prefill is not None
+    heuristics = (*default_heuristics(), *engine_grids(block_size)) if hybrid else None
+    prompt_tokens = np.array([r.input_len for r in trace]) if hybrid else None
+    tree = None
+    if replay is not None and replay_accounting == "tree":
+        tree = hit_tree_copies(request_digests(trace, block_size), depths)
+    return evaluate_placements(depths, block_size=block_size, budgets=budgets, decay=decay,
+                               resolve_every=resolve_every, prompt_tokens=prompt_tokens, layout=layout,
+                               prefill=prefill, heuristics=heuristics, replay=replay, tree=tree)

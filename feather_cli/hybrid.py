@@ -1,4 +1,4 @@
-"""``feather hybrid build`` and ``feather hybrid check`` (provider of feather_gym/cli.py).
+"""``feather hybrid build`` and ``feather hybrid check``.
 
 * ``feather hybrid build [--model trained|tiny] [--force] [--json]``: train the hybrid model
   when its folder is absent (or ``--force``), then print its training report (held-out
@@ -12,25 +12,28 @@ from __future__ import annotations
 import json
 import shutil
 
+from feather_cli.options import add_json
 
-def register(commands) -> None:
-    hybrid = commands.group("hybrid", help="the small trained hybrid (Gated DeltaNet + attention) model")
+
+def register(tree) -> None:
+    """Add ``feather hybrid build|check``."""
+    hybrid = tree.group("hybrid")
     build = hybrid.add_parser("build", help="train the hybrid model if absent; print its report")
     build.add_argument("--model", choices=("trained", "tiny"), default="trained")
     build.add_argument("--force", action="store_true", help="train again even if the folder exists")
-    build.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    add_json(build)
     build.set_defaults(func=build_command)
     check = hybrid.add_parser("check", help="greedy agreement of vLLM and transformers (bfloat16)")
     check.add_argument("--model", choices=("trained", "tiny"), default="trained")
     check.add_argument("--prompts", type=int, default=16, help="held-out prompts (default 16)")
     check.add_argument("--max-new-tokens", type=int, default=16, help="greedy tokens per prompt (default 16)")
     check.add_argument("--seed", type=int, default=0)
-    check.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    add_json(check)
     check.set_defaults(func=check_command)
 
 
 def build_command(args) -> int:
-    from cache_core.hybrid_layout import HybridCacheLayout
+    from cache_core.hybrid.layout import HybridCacheLayout
     from feather_gym.hybrid.model import ensure_hybrid_hf, hybrid_dir, training_report
 
     if args.force and hybrid_dir(args.model).exists():

@@ -1,6 +1,6 @@
 """A plain token-trie model of the CHT's answers, for tests only.
 
-It shares no code or idea with :mod:`cache_core.cht` beyond the definitions: no digests,
+It shares no code or idea with :mod:`cache_core.cht.tree` beyond the definitions: no digests,
 no heaps, every query a brute-force walk over a one-node-per-token trie. A request's
 chunks are its full ``chunk_size``-token chunks; only those are inserted in the tries.
 Misuse raises ``ValueError`` like the CHT does.
@@ -8,7 +8,7 @@ Misuse raises ``ValueError`` like the CHT does.
 
 from __future__ import annotations
 
-from cache_core.cht import CandidateStats, PrefixGroup
+from cache_core.cht.tree import CandidateStats, PrefixGroup
 
 
 class _TrieNode:

