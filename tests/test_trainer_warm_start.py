@@ -62,29 +62,20 @@ def test_a_driver_takes_the_actions_and_the_demonstrator_labels_them():
     assert 0 in driven.actions.tolist()           # the rule would have stopped where always-ADD admitted
 
 
-def test_value_targets_are_discounted_as_ppos_with_a_half_life():
-    """With ``half_life_s`` the recorded returns-to-go are the semi-MDP returns of the same episode's
-    rewards and elapsed times (trainer.semi_mdp); the labels do not change."""
+def test_value_targets_are_the_undiscounted_returns_to_go():
+    """The recorded returns are the return-to-go of the same episode's rewards, as PPO's (gamma 1)."""
     from feather_gym.envs import ENV_ID
-    from feather_gym.envs.batch_formation import ELAPSED_INFO
-    from trainer.semi_mdp import discounted_returns, step_discounts
 
     workload = ENV_CONFIG["workloads"][0]
-    plain = record_episode("feather-rule", ENV_CONFIG, workload, seed=0)
-    discounted = record_episode("feather-rule", ENV_CONFIG, workload, seed=0, half_life_s=2.0)
-    assert np.array_equal(plain.actions, discounted.actions)
+    recorded = record_episode("feather-rule", ENV_CONFIG, workload, seed=0)
     env = gym.make(ENV_ID, **{**ENV_CONFIG, "workloads": [workload], "seed": 0, "workload_instances": 1})
     env.reset()
-    rule, rewards, elapsed, done = demonstrator("feather-rule"), [], [], False
+    rule, rewards, done = demonstrator("feather-rule"), [], False
     while not done:
-        _, reward, terminated, truncated, info = env.step(rule.decide(env.unwrapped.admission_point))
+        _, reward, terminated, truncated, _ = env.step(rule.decide(env.unwrapped.admission_point))
         rewards.append(reward)
-        elapsed.append(info[ELAPSED_INFO])
         done = terminated or truncated
-    np.testing.assert_allclose(plain.returns, np.cumsum(rewards[::-1])[::-1], rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(discounted.returns, discounted_returns(rewards, step_discounts(elapsed, 2.0)),
-                               rtol=1e-5, atol=1e-6)
-    assert not np.allclose(discounted.returns, plain.returns, atol=1e-3)
+    np.testing.assert_allclose(recorded.returns, np.cumsum(rewards[::-1])[::-1], rtol=1e-5, atol=1e-6)
 
 
 def test_the_rule_is_recorded_stateless(demos):

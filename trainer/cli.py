@@ -91,9 +91,6 @@ def build_train_parser() -> argparse.ArgumentParser:
                         help="rounds of DAgger after the warm start: the clone drives the demonstration episodes, "
                              "its decisions are labelled as the warm start's, and it is fitted again to all of "
                              f"them (default {defaults.dagger_rounds})")
-    parser.add_argument("--discount-half-life", dest="discount_half_life_s", type=float, metavar="SECONDS",
-                        help="semi-MDP discounting: a reward this many simulated seconds later counts half "
-                             "(default: undiscounted)")
     parser.add_argument("--ray-address", help="train on an existing Ray cluster (e.g. auto, ray://host:10001); "
                                               "default: start a local Ray")
     parser.add_argument("--json", action="store_true", help="print the run summary as one JSON object on the last line")

@@ -138,9 +138,6 @@ class TrainConfig:
     num_epochs: int = 5
     lr: float = 3e-4
     gamma: float = 1.0                      # undiscounted: the env's return ranks policies by throughput
-    # Semi-MDP discounting (trainer.semi_mdp): a reward this many simulated seconds later counts
-    # half, whatever the number of decisions between (needs gamma 1). None: undiscounted.
-    discount_half_life_s: float | None = None
     gae_lambda: float = 1.0                 # Monte-Carlo advantages: with 0.95 the CPU-profile run drifted to STOP
     entropy_coeff: float = 0.01
     # Validation (keeps the best checkpoint) and final evaluation, on seeds disjoint from each
@@ -209,12 +206,6 @@ class TrainConfig:
             load_policy_network(self.resume)                     # and a corrupted checkpoint, before Ray
         if self.improve_warm_start is not None and not self.improve_warm_start >= 0:
             raise ValueError(f"improve_warm_start: the minimum gain must be >= 0, got {self.improve_warm_start}")
-        if self.discount_half_life_s is not None:
-            if not self.discount_half_life_s > 0:
-                raise ValueError(f"discount_half_life_s: must be > 0 seconds, got {self.discount_half_life_s}")
-            if self.gamma != 1.0:
-                raise ValueError(f"discount_half_life_s discounts by simulated time; with it gamma must be 1 "
-                                 f"(one discount), got gamma {self.gamma}")
         if self.dagger_rounds < 0:
             raise ValueError(f"dagger_rounds: must be >= 0, got {self.dagger_rounds}")
         from trainer.warm_start import IMPROVE_ACTIONS

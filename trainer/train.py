@@ -105,7 +105,7 @@ def build_algorithm(config: TrainConfig):
         .environment(RLLIB_ENV_NAME, env_config=env_config(config))
         .env_runners(num_env_runners=config.num_env_runners, num_envs_per_env_runner=config.envs_per_env_runner,
                      rollout_fragment_length="auto")
-        .learners(num_learners=0, **semi_mdp_learner(config.discount_half_life_s))
+        .learners(num_learners=0)
         .training(train_batch_size_per_learner=config.train_batch_size, minibatch_size=config.minibatch_size,
                   num_epochs=config.num_epochs, lr=config.lr, gamma=config.gamma, lambda_=config.gae_lambda,
                   entropy_coeff=config.entropy_coeff)
@@ -114,16 +114,6 @@ def build_algorithm(config: TrainConfig):
         .debugging(seed=config.seed)
     )
     return ppo.build_algo()
-
-
-def semi_mdp_learner(half_life_s: float | None) -> dict:
-    """The ``learners()`` settings of semi-MDP discounting with ``half_life_s`` (none for None:
-    RLlib's PPO learner and its constant-gamma GAE)."""
-    if half_life_s is None:
-        return {}
-    from trainer.semi_mdp_learner import HALF_LIFE_KEY, SemiMDPPPOLearner
-
-    return {"learner_class": SemiMDPPPOLearner, "learner_config_dict": {HALF_LIFE_KEY: half_life_s}}
 
 
 def restore(algo, checkpoint: Path) -> None:
@@ -342,7 +332,7 @@ def train(config: TrainConfig, *, progress: Callable[[str], None] = print) -> di
             elif config.warm_start != "none":
                 warm = warm_start(algo, config.warm_start, env_config(config), smoothing=config.clone_smoothing,
                                   min_gain=config.improve_warm_start, actions=config.improve_actions,
-                                  dagger_rounds=config.dagger_rounds, half_life_s=config.discount_half_life_s,
+                                  dagger_rounds=config.dagger_rounds,
                                   export=lambda round_: export_clone(algo, config, out / clone_round_file(round_)))
                 improved = (f" improved by playouts ({warm['relabelled']:,} labels changed, {warm['record_s']:.0f} s)"
                             if warm["min_gain"] is not None else "")

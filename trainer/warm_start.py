@@ -18,7 +18,7 @@ vs 1.293x FCFS on the 5-group workload and 1.0055x vs 1.0046x on prefix-groups).
 
 How: run the heuristic in the training env (same workloads, profile and episode settings as
 PPO), record observations, the heuristic's actions and the return-to-go of every decision
-(discounted as PPO's, ``TrainConfig.discount_half_life_s``; undiscounted by default), then fit
+(undiscounted, as PPO's value targets), then fit
 the module's policy head by cross-entropy (behaviour cloning) and its value head by mean squared
 error to those returns, so PPO's first advantages are already meaningful.
 
@@ -64,9 +64,7 @@ from pathlib import Path
 
 import numpy as np
 
-from feather_gym.envs.batch_formation import ELAPSED_INFO
 from feather_gym.policies import DEFAULT_PLAYOUT_SAMPLES, playout_futures
-from trainer.semi_mdp import discounted_returns, step_discounts
 
 #: Demonstrations: workload seeds recorded per workload of the mix (from ``DEMO_SEED_BASE``,
 #: disjoint from every other seed set) and cloning epochs. The rule's labels fit exactly at
@@ -146,15 +144,14 @@ def improved_action(env, policy, action: int, min_gain: float, *,
 
 
 def record_episode(policy_name: str, env_config: dict, workload: str, seed: int,
-                   min_gain: float | None = None, actions: str = "any", driver: str | None = None,
-                   half_life_s: float | None = None) -> Demonstrations:
+                   min_gain: float | None = None, actions: str = "any", driver: str | None = None) -> Demonstrations:
     """One episode on ``workload`` at workload seed ``seed`` in the env of ``env_config``, each
     decision labelled with :func:`demonstrator` of ``policy_name``'s action there, or with
     ``min_gain`` with its :func:`improved_action` (among ``actions``). The demonstrator takes the
     actions, or ``driver`` (a policy name or ``*.onnx`` file for
     :func:`~feather_gym.policies.make_policy`) does: its states, the demonstrator's labels
-    (DAgger). ``returns`` are then the driver's, discounted by simulated time with ``half_life_s``
-    (:mod:`trainer.semi_mdp`; None: undiscounted), as PPO's value targets. Deterministic."""
+    (DAgger). ``returns`` are then the driver's return-to-go, undiscounted as PPO's value targets.
+    Deterministic."""
     import gymnasium as gym
 
     from feather_gym.envs import ENV_ID
@@ -165,7 +162,7 @@ def record_episode(policy_name: str, env_config: dict, workload: str, seed: int,
     env = gym.make(ENV_ID, **{**env_config, "workloads": [workload], "seed": seed, "workload_instances": 1})
     obs, _ = env.reset()
     policy.reset()
-    obs_rows, labels, rewards, elapsed_s = [], [], [], []
+    obs_rows, labels, rewards = [], [], []
     relabelled, done = 0, False
     while not done:
         point = env.unwrapped.admission_point
@@ -175,24 +172,22 @@ def record_episode(policy_name: str, env_config: dict, workload: str, seed: int,
         relabelled += label != action
         obs_rows.append(obs)
         labels.append(label)
-        obs, reward, terminated, truncated, info = env.step(acting.decide(point) if acting else action)
+        obs, reward, terminated, truncated, _ = env.step(acting.decide(point) if acting else action)
         rewards.append(reward)
-        elapsed_s.append(info[ELAPSED_INFO])
         done = terminated or truncated
     env.close()
     return Demonstrations(np.asarray(obs_rows, dtype=np.float32), np.asarray(labels, dtype=np.int64),
-                          discounted_returns(rewards, step_discounts(elapsed_s, half_life_s)).astype(np.float32),
+                          np.cumsum(rewards[::-1])[::-1].astype(np.float32),
                           relabelled)
 
 
 def record_demonstrations(policy_name: str, env_config: dict, *, seeds: range, min_gain: float | None = None,
-                          actions: str = "any", driver: str | None = None, workers: int = 1,
-                          half_life_s: float | None = None) -> Demonstrations:
+                          actions: str = "any", driver: str | None = None, workers: int = 1) -> Demonstrations:
     """:func:`record_episode` for every workload of ``env_config`` at each workload seed of
     ``seeds``, concatenated in that order (workload-major). ``workers > 1`` records the episodes
     in that many spawned processes (playouts are the costly part of an improved warm start);
     the result is the same for any ``workers``."""
-    tasks = [(policy_name, env_config, workload, seed, min_gain, actions, driver, half_life_s)
+    tasks = [(policy_name, env_config, workload, seed, min_gain, actions, driver)
              for workload in env_config["workloads"] for seed in seeds]
     if workers > 1:
         import multiprocessing
@@ -252,7 +247,7 @@ def label_accuracy(module, demos: Demonstrations) -> float:
 
 def warm_start(algo, policy_name: str, env_config: dict, *, smoothing: float = 0.0,
                min_gain: float | None = None, actions: str = "any", dagger_rounds: int = 0,
-               export: Callable[[int], Path] | None = None, half_life_s: float | None = None) -> dict:
+               export: Callable[[int], Path] | None = None) -> dict:
     """Record ``policy_name`` in the env (with ``min_gain``, its playout-improved labels among
     ``actions``), clone it into every learner's module, and push the weights to the env runners.
 
@@ -261,9 +256,7 @@ def warm_start(algo, policy_name: str, env_config: dict, *, smoothing: float = 0
     path; round 0 is the first clone), drives the episodes of the same seeds, every
     decision it meets is labelled as the first ones were (the demonstrator's action, or its
     improvement), the rounds' demonstrations are pooled, and the network is fitted to them again.
-    A clone errs where the demonstrator never went; its own states teach it there. The value head
-    is fitted to returns discounted with ``half_life_s`` (:mod:`trainer.semi_mdp`), as PPO's value
-    targets; the labels always compare undiscounted playout returns (throughput). Returns a
+    A clone errs where the demonstrator never went; its own states teach it there. Returns a
     report for the run summary (``dagger``: per round, how often the network agreed with the
     labels on its own states before the refit)."""
     from ray.rllib.core import DEFAULT_MODULE_ID
@@ -279,7 +272,7 @@ def warm_start(algo, policy_name: str, env_config: dict, *, smoothing: float = 0
     def record(driver: str | None) -> tuple[Demonstrations, float]:
         start = time.monotonic()
         demos = record_demonstrations(policy_name, env_config, seeds=seeds, min_gain=min_gain, actions=actions,
-                                      driver=driver, workers=workers, half_life_s=half_life_s)
+                                      driver=driver, workers=workers)
         return demos, time.monotonic() - start
 
     def on_learner(function):

@@ -21,11 +21,6 @@ from traces.workload import is_generated
 #: trace of N requests offers about ``4 N / window_requests`` distinct windows, each built once.
 WINDOW_STARTS_PER_WINDOW = 4
 
-#: The info key of every step: the simulated seconds from the decision to the next one (or to the
-#: episode's end), the span its reward covers; zero between admissions of one engine step.
-#: Semi-MDP discounting (:mod:`trainer.semi_mdp`) discounts by it.
-ELAPSED_INFO = "elapsed_s"
-
 #: Defaults: whole traces (the generators make at most 1000 requests), because batch formation
 #: pays off only over many batches: on 64-request windows the Feather rule loses to always-ADD
 #: (0.93x on rtx6000-ada, 5 groups) where on the whole trace it wins (1.04x), so short windows
@@ -138,9 +133,7 @@ class BatchFormationEnv(gym.Env):
     share of the baseline's time the policy saves, positive exactly when it beats the baseline;
     returns rank policies as their end-to-end throughput on the window does, and stay of order
     1 on windows of any size (value functions learn them at ordinary learning rates). The reward
-    is in simulated time, step by step (a step that takes longer costs more), and every step's
-    info holds the simulated seconds it covers (``elapsed_s``, zero between the admissions of
-    one engine step), by which a trainer can discount (semi-MDP, :mod:`trainer.semi_mdp`).
+    is in simulated time, step by step (a step that takes longer costs more).
 
     ``loss_aversion`` ``a >= 1`` makes losses cost more than gains: the last step of a terminated
     episode whose return ``R`` is negative also pays ``(a - 1) R``, so the return is ``R`` when
@@ -232,14 +225,14 @@ class BatchFormationEnv(gym.Env):
             raise RuntimeError("step() before reset() or after the episode ended")
         sim.apply(int(action))
         self._point = sim.next_admission()
-        reward, elapsed_s = self._reward()
+        reward = self._reward()
         self._return += reward
         if self._point is None:
             reward += (self.config["loss_aversion"] - 1) * min(self._return, 0.0)
-            return self._terminal_obs, reward, True, False, {ELAPSED_INFO: elapsed_s, **self._final_info()}
+            return self._terminal_obs, reward, True, False, self._final_info()
         limit = self.config["max_decisions"]
         truncated = 0 < limit <= sim.num_decisions
-        return self._point.observation, reward, False, truncated, {ELAPSED_INFO: elapsed_s}
+        return self._point.observation, reward, False, truncated, {}
 
     def fork(self, output_len: np.ndarray | None = None) -> "BatchFormationEnv":
         """An independent copy of this env mid-episode: the same pending decision, simulator state
@@ -297,9 +290,8 @@ class BatchFormationEnv(gym.Env):
             self._windows[key] = (window, digests, baseline.metrics()["throughput_tok_s"], total_output)
         return self._windows[key]
 
-    def _reward(self) -> tuple[float, float]:
-        """Reward of everything since the last one (the first step also covers the reset's run-up),
-        and the simulated seconds it covers."""
+    def _reward(self) -> float:
+        """Reward of everything since the last one (the first step also covers the reset's run-up)."""
         sim = self._sim
         tokens, now, admissions = self._rewarded
         self._rewarded = (sim.tokens_out, sim.now_s, len(sim.admission_waits))
@@ -307,7 +299,7 @@ class BatchFormationEnv(gym.Env):
         bound = self.config["wait_bound_s"]
         excess = sum(w - bound for w in sim.admission_waits[admissions:] if w > bound)
         penalty = self.config["wait_penalty"] * excess
-        return float((tokens - self._baseline * (elapsed_s + penalty)) / self._reward_scale), float(elapsed_s)
+        return float((tokens - self._baseline * (elapsed_s + penalty)) / self._reward_scale)
 
     def _final_info(self) -> dict:
         sim = self._sim
