@@ -52,16 +52,6 @@ def test_cloning_reproduces_the_rule(demos):
     assert float((logits.argmax(-1).numpy() == demos.actions).mean()) == pytest.approx(fit["accuracy"])
 
 
-def test_a_driver_takes_the_actions_and_the_demonstrator_labels_them():
-    """DAgger's episodes: the driver's states and returns, the demonstrator's labels."""
-    workload = ENV_CONFIG["workloads"][0]
-    driven = record_episode("feather-rule", ENV_CONFIG, workload, seed=0, driver="cht")
-    always_add = record_episode("cht", ENV_CONFIG, workload, seed=0)
-    assert set(always_add.actions.tolist()) == {1}
-    assert np.array_equal(driven.obs, always_add.obs) and np.array_equal(driven.returns, always_add.returns)
-    assert 0 in driven.actions.tolist()           # the rule would have stopped where always-ADD admitted
-
-
 def test_value_targets_are_the_undiscounted_returns_to_go():
     """The recorded returns are the return-to-go of the same episode's rewards, as PPO's (gamma 1)."""
     from feather_gym.envs import ENV_ID

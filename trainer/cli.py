@@ -87,10 +87,6 @@ def build_train_parser() -> argparse.ArgumentParser:
     parser.add_argument("--improve-actions", choices=IMPROVE_ACTIONS,
                         help="what an improved label may take instead of the baseline's action: STOP only, or any "
                              f"action (default {defaults.improve_actions})")
-    parser.add_argument("--dagger-rounds", type=int, metavar="N",
-                        help="rounds of DAgger after the warm start: the clone drives the demonstration episodes, "
-                             "its decisions are labelled as the warm start's, and it is fitted again to all of "
-                             f"them (default {defaults.dagger_rounds})")
     parser.add_argument("--ray-address", help="train on an existing Ray cluster (e.g. auto, ray://host:10001); "
                                               "default: start a local Ray")
     parser.add_argument("--json", action="store_true", help="print the run summary as one JSON object on the last line")
@@ -112,7 +108,7 @@ def build_export_parser() -> argparse.ArgumentParser:
 
 #: Settings a resumed run does not take over from the run it continues: where and how long it runs.
 NOT_RESUMED = ("output_dir", "resume", "iterations", "time_budget_s", "ray_address", "warm_start",
-               "improve_warm_start", "improve_actions", "dagger_rounds")
+               "improve_warm_start", "improve_actions")
 
 
 def resumed_run(resume: Path) -> tuple[Path, dict]:

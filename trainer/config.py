@@ -123,11 +123,6 @@ class TrainConfig:
     # "any" (STOP or any filled candidate slot; 2.5x the playouts with k = 4). STOP by default:
     # with "any" the slot relabels cost a significant loss held out (README, "Measured here").
     improve_actions: str = "stop"
-    # Rounds of DAgger after the warm start's clone (trainer.warm_start.warm_start): the clone
-    # drives the demonstration episodes, its decisions get the warm start's labels, and it is
-    # fitted again to every round's. 0: the clone of the demonstrator's own episodes. Ignored
-    # with warm_start none and when resuming.
-    dagger_rounds: int = 0
     # Label smoothing of the cloning loss: the clone keeps this much probability off the
     # demonstrator's action, so PPO's sampled episodes still try the other actions.
     clone_smoothing: float = 0.1
@@ -206,8 +201,6 @@ class TrainConfig:
             load_policy_network(self.resume)                     # and a corrupted checkpoint, before Ray
         if self.improve_warm_start is not None and not self.improve_warm_start >= 0:
             raise ValueError(f"improve_warm_start: the minimum gain must be >= 0, got {self.improve_warm_start}")
-        if self.dagger_rounds < 0:
-            raise ValueError(f"dagger_rounds: must be >= 0, got {self.dagger_rounds}")
         from trainer.warm_start import IMPROVE_ACTIONS
 
         if self.improve_actions not in IMPROVE_ACTIONS:

@@ -13,8 +13,6 @@ the learning curve and a JSON summary. Output folder layout::
     <output>/checkpoint/        best-validated RLlib checkpoint (+ feather_training.json: profile, workloads, date)
     <output>/policy.onnx        the exported policy (trainer.export contract)
     <output>/clone.onnx         the warm-start clone as PPO began, evaluated beside it (absent when resuming)
-    <output>/clone-round-<r>.onnx  with DAgger rounds: the clone after round r that drove round r + 1;
-                                   round 0 (the first clone) is evaluated beside it too
     <output>/learning_curve.png
     <output>/summary.json       config, history, warm start, validation, timings, export parity, evaluation
     <output>/tensorboard/       RLlib result metrics as TensorBoard events
@@ -41,12 +39,6 @@ RLLIB_ENV_NAME = "feather-batch-formation"
 TRAINING_INFO_FILE = "feather_training.json"   # inside the checkpoint: what export needs to label the policy
 CLONE_FILE, CLONE_LABEL = "clone.onnx", "clone"   # the warm-start clone, evaluated beside the trained policy
 DEMONSTRATOR_LABEL = "demonstrator"   # the policy the warm start recorded (trainer.warm_start.demonstrator), likewise
-FIRST_CLONE_LABEL = "clone-round-0"   # with DAgger rounds: the clone before them, likewise
-
-
-def clone_round_file(round_: int) -> str:
-    """The file name of the clone after DAgger round ``round_`` (0: the first clone)."""
-    return f"clone-round-{round_}.onnx"
 
 
 def make_training_env(env_context):
@@ -331,17 +323,11 @@ def train(config: TrainConfig, *, progress: Callable[[str], None] = print) -> di
                 progress(f"resumed from {config.resume}")
             elif config.warm_start != "none":
                 warm = warm_start(algo, config.warm_start, env_config(config), smoothing=config.clone_smoothing,
-                                  min_gain=config.improve_warm_start, actions=config.improve_actions,
-                                  dagger_rounds=config.dagger_rounds,
-                                  export=lambda round_: export_clone(algo, config, out / clone_round_file(round_)))
+                                  min_gain=config.improve_warm_start, actions=config.improve_actions)
                 improved = (f" improved by playouts ({warm['relabelled']:,} labels changed, {warm['record_s']:.0f} s)"
                             if warm["min_gain"] is not None else "")
                 progress(f"warm start: cloned {warm['policy']}{improved} from {warm['decisions']:,} decisions "
                          f"(accuracy {warm['accuracy']:.3f}, ADD share {warm['add_fraction']:.3f})")
-                for dagger in warm["dagger"]:
-                    progress(f"DAgger round {dagger['round']}: the clone met {dagger['decisions']:,} decisions and "
-                             f"agreed with {dagger['agreement_before']:.3f} of their labels ({dagger['relabelled']:,} "
-                             f"improved, {dagger['record_s']:.0f} s); refitted to all, accuracy {dagger['accuracy']:.3f}")
                 clone_path = export_clone(algo, config, out / CLONE_FILE)
             checkpoint = out / "checkpoint"
             best = BestCheckpoint(algo, config, checkpoint)
@@ -363,21 +349,15 @@ def train(config: TrainConfig, *, progress: Callable[[str], None] = print) -> di
     progress(f"exported {policy_path} (max abs diff vs torch: random {parity['max_abs_diff_random']:.2g}, "
              f"real {parity['max_abs_diff_real']:.2g})")
     eval_start = time.monotonic()
-    references = {CLONE_LABEL: clone_path, DEMONSTRATOR_LABEL: demonstrator(config.warm_start)} if clone_path else {}
-    if warm and warm["dagger"]:
-        references[FIRST_CLONE_LABEL] = out / clone_round_file(0)
+    references = {CLONE_LABEL: clone_path, DEMONSTRATOR_LABEL: demonstrator(config.warm_start)} if clone_path else None
     evaluation = evaluate_policy(policy_path, workloads=config.evaluation_workloads(), profile=config.profile,
                                  seeds=config.eval_seeds, engine=config.engine(), references=references)
     progress(format_table(evaluation))
-    clone = demonstrated = first_clone = None
+    clone = demonstrated = None
     if clone_path:
         clone, demonstrated = beyond(evaluation, CLONE_LABEL), beyond(evaluation, DEMONSTRATOR_LABEL)
         for line in (_beyond_lines(clone, "its warm-start clone")
                      + _beyond_lines(demonstrated, f"the demonstrator ({config.warm_start} as recorded)")):
-            progress(line)
-    if FIRST_CLONE_LABEL in references:
-        first_clone = beyond(evaluation, FIRST_CLONE_LABEL)
-        for line in _beyond_lines(first_clone, "the first clone, before DAgger"):
             progress(line)
     summary = {
         "config": config.to_json(),
@@ -398,7 +378,6 @@ def train(config: TrainConfig, *, progress: Callable[[str], None] = print) -> di
         "evaluation": evaluation,
         "beyond_clone": clone,
         "beyond_demonstrator": demonstrated,
-        "beyond_first_clone": first_clone,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
