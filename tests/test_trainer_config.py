@@ -92,7 +92,6 @@ def test_bad_input_fails_fast_with_a_clear_error(tmp_path, capsys, argv, message
     ({"clone_smoothing": 1.0}, "clone_smoothing: must be in"),
     ({"loss_aversion": 0.5}, "loss_aversion: must be >= 1"),
     ({"improve_warm_start": -0.1}, "improve_warm_start: the minimum gain must be >= 0"),
-    ({"improve_actions": "slots"}, "improve_actions: one of stop, any"),
 ])
 def test_bad_training_settings_name_the_setting(settings, message):
     with pytest.raises(ValueError, match=message):
@@ -146,7 +145,7 @@ def test_seed_sets_follow_the_env_runners_and_the_warm_start():
     # The playout-improved warm start (the default) records 16 seeds; the flag sets its gain or turns it off.
     assert sets["warm-start demonstration seeds"] == tuple(range(50_000, 50_016))
     improved = build_config({"workloads": list(SMALL)}, flags(["--improve-warm-start", "0.02"]))
-    assert improved.improve_warm_start == 0.02 and improved.improve_actions == "stop"
+    assert improved.improve_warm_start == 0.02
     plain = build_config({"workloads": list(SMALL), "improve_warm_start": 0.02}, flags(["--improve-warm-start", "off"]))
     assert plain.improve_warm_start is None
     assert plain.seed_sets()["warm-start demonstration seeds"] == (50_000, 50_001, 50_002, 50_003)

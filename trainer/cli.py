@@ -31,7 +31,6 @@ from datetime import datetime
 from pathlib import Path
 
 from trainer.config import DEFAULT_MIXES, OFF, TrainConfig, build_config, load_config_file
-from trainer.warm_start import IMPROVE_ACTIONS
 
 
 def min_gain(text: str) -> float | str:
@@ -81,12 +80,9 @@ def build_train_parser() -> argparse.ArgumentParser:
                         help=f"baseline cloned into the network before PPO, or none (default {defaults.warm_start})")
     parser.add_argument("--improve-warm-start", type=min_gain, metavar="MIN_GAIN|off",
                         help="clone one step of policy iteration on the warm-start baseline instead of the baseline: "
-                             "a decision takes the action of the best simulated playout (mean over sampled "
-                             "output-length futures) where it gains over MIN_GAIN (a share of the window's time) "
+                             "a decision takes STOP where its simulated playouts (mean over sampled "
+                             "output-length futures) gain over MIN_GAIN (a share of the window's time) "
                              f"on the baseline's; off clones the baseline as it is (default {defaults.improve_warm_start})")
-    parser.add_argument("--improve-actions", choices=IMPROVE_ACTIONS,
-                        help="what an improved label may take instead of the baseline's action: STOP only, or any "
-                             f"action (default {defaults.improve_actions})")
     parser.add_argument("--ray-address", help="train on an existing Ray cluster (e.g. auto, ray://host:10001); "
                                               "default: start a local Ray")
     parser.add_argument("--json", action="store_true", help="print the run summary as one JSON object on the last line")
@@ -108,7 +104,7 @@ def build_export_parser() -> argparse.ArgumentParser:
 
 #: Settings a resumed run does not take over from the run it continues: where and how long it runs.
 NOT_RESUMED = ("output_dir", "resume", "iterations", "time_budget_s", "ray_address", "warm_start",
-               "improve_warm_start", "improve_actions")
+               "improve_warm_start")
 
 
 def resumed_run(resume: Path) -> tuple[Path, dict]:

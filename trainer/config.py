@@ -113,16 +113,12 @@ class TrainConfig:
     # "none" starts PPO from a random network. Ignored when resuming.
     warm_start: str = "feather-rule"
     # Clone one step of policy iteration on the warm-start baseline instead of the baseline itself:
-    # a demonstrated decision is relabelled with the action whose simulated playouts (that action,
-    # then the baseline, on sampled output-length futures) return more on average than the
-    # baseline's action by over this gain (a share of the window's time;
+    # a demonstrated decision is relabelled STOP where STOP's simulated playouts (STOP, then the
+    # baseline, on sampled output-length futures) return more on average than the baseline's
+    # action's by over this gain (a share of the window's time;
     # trainer.warm_start.improved_action). None: clone the baseline as it is. Like the warm start,
     # ignored with warm_start none and when resuming.
     improve_warm_start: float | None = 0.01
-    # The actions an improved label may take instead of the baseline's: "stop" (STOP only) or
-    # "any" (STOP or any filled candidate slot; 2.5x the playouts with k = 4). STOP by default:
-    # with "any" the slot relabels cost a significant loss held out (README, "Measured here").
-    improve_actions: str = "stop"
     # Label smoothing of the cloning loss: the clone keeps this much probability off the
     # demonstrator's action, so PPO's sampled episodes still try the other actions.
     clone_smoothing: float = 0.1
@@ -201,10 +197,6 @@ class TrainConfig:
             load_policy_network(self.resume)                     # and a corrupted checkpoint, before Ray
         if self.improve_warm_start is not None and not self.improve_warm_start >= 0:
             raise ValueError(f"improve_warm_start: the minimum gain must be >= 0, got {self.improve_warm_start}")
-        from trainer.warm_start import IMPROVE_ACTIONS
-
-        if self.improve_actions not in IMPROVE_ACTIONS:
-            raise ValueError(f"improve_actions: one of {', '.join(IMPROVE_ACTIONS)}, got {self.improve_actions!r}")
         if self.warm_start != "none":
             from feather_gym.policies import BASELINES
 

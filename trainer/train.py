@@ -323,7 +323,7 @@ def train(config: TrainConfig, *, progress: Callable[[str], None] = print) -> di
                 progress(f"resumed from {config.resume}")
             elif config.warm_start != "none":
                 warm = warm_start(algo, config.warm_start, env_config(config), smoothing=config.clone_smoothing,
-                                  min_gain=config.improve_warm_start, actions=config.improve_actions)
+                                  min_gain=config.improve_warm_start)
                 improved = (f" improved by playouts ({warm['relabelled']:,} labels changed, {warm['record_s']:.0f} s)"
                             if warm["min_gain"] is not None else "")
                 progress(f"warm start: cloned {warm['policy']}{improved} from {warm['decisions']:,} decisions "

@@ -22,22 +22,19 @@ decision, then fit the module's policy head by cross-entropy (behaviour cloning)
 head by mean squared error to those returns, so PPO's first advantages are already meaningful.
 
 With a minimum gain ``g`` (``TrainConfig.improve_warm_start``) the labels are one step of policy
-iteration on the heuristic, computed in the simulator: at each of the heuristic's decisions
-every distinct action (STOP and each filled candidate slot) is tried on forks of the env
-(:meth:`~feather_gym.envs.batch_formation.BatchFormationEnv.fork`) and followed by the heuristic
-to the episode's end (:func:`playout_return`), and the decision is labelled with the action of
-the highest mean return where that beats the heuristic's own action's by more than ``g``
-(:func:`improved_action`). The mean is over :data:`~feather_gym.policies.DEFAULT_PLAYOUT_SAMPLES`
-futures whose output lengths are drawn from the trace's distribution given what each request has
-emitted, not the true ones: labels played out on the true lengths are clairvoyant (the
-observation cannot tell them) and their clones did not carry to held-out seeds, while clones of
-the sampled ones do on no-sharing (README, "Measured here"). The threshold keeps the labels the
-network can learn from its observation. The episodes follow the heuristic, so the states are the
-heuristic's; the improved labels need more demonstrations and epochs (:data:`IMPROVED`) than the
-heuristic's own. ``actions`` (``TrainConfig.improve_actions``) limits the alternatives tried to
-STOP (``"stop"``, the default: two playouts per future and decision) or allows every filled slot
-(``"any"``); a decision with nothing to try keeps the heuristic's label unplayed. The episodes are
-independent, so they are recorded in one spawned process per core.
+iteration on the heuristic towards STOP, computed in the simulator: at each decision where the
+heuristic admits, STOP and the heuristic's own action are tried on forks of the env
+(:meth:`~feather_gym.envs.batch_formation.BatchFormationEnv.fork`), each followed by the heuristic
+to the episode's end (:func:`playout_return`), and the decision is labelled STOP where STOP's mean
+return beats the heuristic's action's by more than ``g`` (:func:`improved_action`); a decision
+where the heuristic stops keeps its label unplayed. The mean is over
+:data:`~feather_gym.policies.DEFAULT_PLAYOUT_SAMPLES` futures whose output lengths are drawn from
+the trace's distribution given what each request has emitted, not the true ones, which the
+observation cannot tell (labels played out on them would be clairvoyant). The threshold keeps the
+labels the network can learn from its observation. The episodes follow the heuristic, so the
+states are the heuristic's; the improved labels need more demonstrations and epochs
+(:data:`IMPROVED`) than the heuristic's own. The episodes are independent, so they are recorded
+in one spawned process per core.
 
 The cross-entropy is label-smoothed (``TrainConfig.clone_smoothing``, 0.1 by default): a clone
 fitted to one-hot labels puts all probability on the demonstrator's action, the rule admits only
@@ -54,6 +51,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from feather_gym.observation import STOP
 from feather_gym.policies import DEFAULT_PLAYOUT_SAMPLES, playout_futures
 
 #: Demonstrations: workload seeds recorded per workload of the mix (from ``DEMO_SEED_BASE``,
@@ -109,35 +107,24 @@ def playout_return(env, policy, action: int, output_len: np.ndarray | None = Non
     return total
 
 
-#: The actions an improved label may take instead of the demonstrator's (``TrainConfig.improve_actions``):
-#: ``"stop"``, STOP only (two playouts per future and decision); ``"any"``, STOP or any filled slot.
-IMPROVE_ACTIONS = ("stop", "any")
-
-
 def improved_action(env, policy, action: int, min_gain: float, *,
-                    samples: int | None = DEFAULT_PLAYOUT_SAMPLES, actions: str = "any") -> int:
-    """The action of the highest mean :func:`playout_return` at ``env``'s pending decision among
-    the alternatives ``actions`` allows (:data:`IMPROVE_ACTIONS`) where it beats ``action``'s (the
-    policy's own) by more than ``min_gain``, else ``action``. The mean is over ``samples``
-    output-length futures (:func:`~feather_gym.policies.playout_futures`, the same for every
-    action); ``samples=None`` plays the true output lengths out once (clairvoyant)."""
-    if actions not in IMPROVE_ACTIONS:
-        raise ValueError(f"actions: one of {IMPROVE_ACTIONS}, got {actions!r}")
-    point = env.admission_point
-    tried = point.distinct_actions if actions == "any" else sorted({action, 0})
-    if len(tried) == 1:
+                    samples: int | None = DEFAULT_PLAYOUT_SAMPLES) -> int:
+    """STOP where its mean :func:`playout_return` at ``env``'s pending decision beats ``action``'s
+    (the policy's own) by more than ``min_gain``, else ``action``. The mean is over ``samples``
+    output-length futures (:func:`~feather_gym.policies.playout_futures`, the same for both
+    actions); ``samples=None`` plays the true output lengths out once (clairvoyant)."""
+    if action == STOP:
         return action
-    futures = playout_futures(point.sim, samples)
-    returns = {a: np.mean([playout_return(env, policy, a, future) for future in futures]) for a in tried}
-    best = max(returns, key=returns.get)
-    return best if returns[best] > returns.get(action, -np.inf) + min_gain else action
+    futures = playout_futures(env.admission_point.sim, samples)
+    stop, own = (np.mean([playout_return(env, policy, a, future) for future in futures]) for a in (STOP, action))
+    return STOP if stop > own + min_gain else action
 
 
 def record_episode(policy_name: str, env_config: dict, workload: str, seed: int,
-                   min_gain: float | None = None, actions: str = "any") -> Demonstrations:
+                   min_gain: float | None = None) -> Demonstrations:
     """One episode of :func:`demonstrator` of ``policy_name`` on ``workload`` at workload seed
     ``seed`` in the env of ``env_config``; with ``min_gain``, each decision labelled with
-    :func:`improved_action` (among ``actions``) instead of the demonstrator's action. Deterministic."""
+    :func:`improved_action` instead of the demonstrator's action. Deterministic."""
     import gymnasium as gym
 
     from feather_gym.envs import ENV_ID
@@ -150,8 +137,7 @@ def record_episode(policy_name: str, env_config: dict, workload: str, seed: int,
     relabelled, done = 0, False
     while not done:
         action = policy.decide(env.unwrapped.admission_point)
-        label = action if min_gain is None else improved_action(env.unwrapped, policy, action, min_gain,
-                                                                    actions=actions)
+        label = action if min_gain is None else improved_action(env.unwrapped, policy, action, min_gain)
         relabelled += label != action
         obs_rows.append(obs)
         labels.append(label)
@@ -164,12 +150,12 @@ def record_episode(policy_name: str, env_config: dict, workload: str, seed: int,
 
 
 def record_demonstrations(policy_name: str, env_config: dict, *, seeds: range,
-                          min_gain: float | None = None, actions: str = "any", workers: int = 1) -> Demonstrations:
+                          min_gain: float | None = None, workers: int = 1) -> Demonstrations:
     """:func:`record_episode` for every workload of ``env_config`` at each workload seed of
     ``seeds``, concatenated in that order (workload-major). ``workers > 1`` records the episodes
     in that many spawned processes (playouts are the costly part of an improved warm start);
     the result is the same for any ``workers``."""
-    tasks = [(policy_name, env_config, workload, seed, min_gain, actions)
+    tasks = [(policy_name, env_config, workload, seed, min_gain)
              for workload in env_config["workloads"] for seed in seeds]
     if workers > 1:
         import multiprocessing
@@ -217,9 +203,8 @@ def clone_into(module, demos: Demonstrations, *, epochs: int = 30, batch_size: i
 
 
 def warm_start(algo, policy_name: str, env_config: dict, *, smoothing: float = 0.0,
-               min_gain: float | None = None, actions: str = "any") -> dict:
-    """Record ``policy_name`` in the env (with ``min_gain``, its playout-improved labels among
-    ``actions``), clone it into every learner's module, and push the weights to the env runners.
+               min_gain: float | None = None) -> dict:
+    """Record ``policy_name`` in the env (with ``min_gain``, its playout-improved labels), clone it into every learner's module, and push the weights to the env runners.
     Returns a report for the run summary."""
     from ray.rllib.core import DEFAULT_MODULE_ID
 
@@ -228,14 +213,14 @@ def warm_start(algo, policy_name: str, env_config: dict, *, smoothing: float = 0
     # Playouts on every core (the env runners idle until PPO starts); plain recording is cheaper in-process.
     workers = len(os.sched_getaffinity(0)) if improve else 1
     demos = record_demonstrations(policy_name, env_config, seeds=demonstration_seeds(improve), min_gain=min_gain,
-                                  actions=actions, workers=workers)
+                                  workers=workers)
     record_s = time.monotonic() - start
     _, epochs = IMPROVED if improve else PLAIN
     calls = algo.learner_group.foreach_learner(lambda learner: clone_into(learner.module[DEFAULT_MODULE_ID], demos,
                                                                               epochs=epochs, smoothing=smoothing))
     fit = next(iter(calls)).get()     # RemoteCallResults; raises the learner's error, if any
     algo.env_runner_group.sync_weights(from_worker_or_learner_group=algo.learner_group, inference_only=True)
-    return {"policy": policy_name, "min_gain": min_gain, "actions": actions if improve else None,
+    return {"policy": policy_name, "min_gain": min_gain,
             "decisions": len(demos.actions),
             "relabelled": demos.relabelled, "record_s": record_s, "record_workers": workers,
             "add_fraction": demos.add_fraction, **fit}
