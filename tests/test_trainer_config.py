@@ -87,10 +87,8 @@ def test_bad_input_fails_fast_with_a_clear_error(tmp_path, capsys, argv, message
 
 
 @pytest.mark.parametrize("settings,message", [
-    ({"reward_baseline": "oracle"}, "reward_baseline: 'oracle' is not a baseline"),
     ({"workload_instances": 0}, "workload_instances: must be in"),
     ({"clone_smoothing": 1.0}, "clone_smoothing: must be in"),
-    ({"loss_aversion": 0.5}, "loss_aversion: must be >= 1"),
     ({"improve_warm_start": -0.1}, "improve_warm_start: the minimum gain must be >= 0"),
 ])
 def test_bad_training_settings_name_the_setting(settings, message):

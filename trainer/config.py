@@ -95,14 +95,6 @@ class TrainConfig:
     window_requests: int = ENV_DEFAULTS["window_requests"]
     max_decisions: int = ENV_DEFAULTS["max_decisions"]
     wait_penalty: float = 0.0
-    # The policy a step's reward is measured against (the env's ``reward_baseline``): the return
-    # of an episode is 1 - makespan / this policy's makespan on the same window. "feather-rule"
-    # centres the clone's returns on 0 on every workload; measured against FCFS, it learned no more
-    # (README, "Measured here"), so FCFS stays.
-    reward_baseline: str = "fcfs"
-    # A terminated episode's negative return counts this many times (the env's ``loss_aversion``),
-    # so a gain on one workload no longer pays for a loss on another at par; 1: at par.
-    loss_aversion: float = 1.0
     # Candidate slots of the action (feather_gym.observation): 1 is ADD/STOP on the CHT's best
     # candidate; k > 1 chooses among the CHT's k best prefix groups, or STOP (Discrete(k + 1)).
     num_candidates: int = 4
@@ -203,13 +195,6 @@ class TrainConfig:
             if self.warm_start not in BASELINES:
                 raise ValueError(f"warm_start: {self.warm_start!r} is not a baseline; choose none or one of "
                                  f"{', '.join(BASELINES)}")
-        from feather_gym.policies import BASELINES
-
-        if self.reward_baseline not in BASELINES:
-            raise ValueError(f"reward_baseline: {self.reward_baseline!r} is not a baseline; choose one of "
-                             f"{', '.join(BASELINES)}")
-        if not self.loss_aversion >= 1:
-            raise ValueError(f"loss_aversion: must be >= 1 (1: losses and gains at par), got {self.loss_aversion}")
         if not self.eval_seeds or not self.validation_seeds:
             raise ValueError("eval_seeds and validation_seeds: at least one seed each is needed")
         sets = list(self.seed_sets().items())

@@ -80,8 +80,7 @@ def env_config(config: TrainConfig) -> dict:
                 "window_requests": config.window_requests, "max_decisions": config.max_decisions,
                 "wait_penalty": config.wait_penalty, "kv_capacity_tokens": config.kv_capacity_tokens,
                 "max_wait_steps": config.max_wait_steps,
-                "num_candidates": config.num_candidates, "workload_instances": config.workload_instances,
-                "reward_baseline": config.reward_baseline, "loss_aversion": config.loss_aversion}
+                "num_candidates": config.num_candidates, "workload_instances": config.workload_instances}
     return {key: value for key, value in settings.items() if value is not None}
 
 

@@ -41,8 +41,6 @@ DEFAULT_CONFIG = {
     "kv_capacity_tokens": None,   # None: the profile's
     "num_candidates": DEFAULT_NUM_CANDIDATES,   # k: 1 is ADD/STOP on the CHT's best candidate
     "workload_instances": 1,  # generated traces per workload spec, seeds seed .. seed + n - 1
-    "reward_baseline": "fcfs",   # the policy whose throughput on the window a step must beat
-    "loss_aversion": 1.0,     # a terminated episode's negative return counts this many times
 }
 
 
@@ -65,11 +63,10 @@ class WorkloadSet:
 
 
 @functools.lru_cache(maxsize=4)
-def workload_set(specs: tuple[str, ...], seed: int, instances: int, engine: EngineConfig, profile: str,
-                 reward_baseline: str) -> WorkloadSet:
-    """The shared :class:`WorkloadSet` of a configuration. ``profile`` and ``reward_baseline``
-    are part of the key because the windows' baseline runs depend on them (a profile file is
-    assumed not to change while the process runs)."""
+def workload_set(specs: tuple[str, ...], seed: int, instances: int, engine: EngineConfig, profile: str) -> WorkloadSet:
+    """The shared :class:`WorkloadSet` of a configuration. ``profile`` is part of the key because
+    the windows' baseline runs depend on it (a profile file is assumed not to change while the
+    process runs)."""
     built = [traces.resolve_workload(spec, seed=seed + i) for spec in specs for i in range(instances_of(spec, instances))]
     return WorkloadSet(built, [trace_digests(trace, engine.block_size) for trace in built])
 
@@ -126,7 +123,7 @@ class BatchFormationEnv(gym.Env):
 
         r = (tokens emitted - b * elapsed_s - wait_penalty * excess_wait_s * b) / T
 
-    ``b`` is the throughput the ``reward_baseline`` policy (FCFS by default) reaches on the
+    ``b`` is the throughput FCFS reaches on the
     same window (one simulation per window, cached), and ``excess_wait_s`` is the time
     admissions waited beyond ``wait_bound_s``. Every request finishes within a terminated
     episode, so without the wait term the return is ``1 - makespan / baseline_makespan``: the
@@ -134,13 +131,6 @@ class BatchFormationEnv(gym.Env):
     returns rank policies as their end-to-end throughput on the window does, and stay of order
     1 on windows of any size (value functions learn them at ordinary learning rates). The reward
     is in simulated time, step by step (a step that takes longer costs more).
-
-    ``loss_aversion`` ``a >= 1`` makes losses cost more than gains: the last step of a terminated
-    episode whose return ``R`` is negative also pays ``(a - 1) R``, so the return is ``R`` when
-    the policy beats the baseline on the window and ``a R`` when it loses. A sum of returns over
-    a mix then no longer lets a gain on one workload pay for a loss on another at par (with
-    ``reward_baseline: feather-rule``, a loss is a window where the policy is slower than the
-    rule). A truncated episode has no return yet and pays nothing extra.
 
     ## Starting State
     A window of ``window_requests`` consecutive requests of one of the traces (``workload_instances``
@@ -166,8 +156,7 @@ class BatchFormationEnv(gym.Env):
     profile's), ``max_num_seqs``, ``max_wait_steps`` (the admission's waiting-time bound in engine steps, as deployed),
     ``kv_capacity_tokens`` (None: the profile's), ``num_candidates`` (``k``, >= 1),
     ``workload_instances`` (traces of each generator spec, seeds ``seed .. seed + n - 1``; a trace
-    file is one trace), ``reward_baseline`` (a baseline name of :data:`feather_gym.policies.BASELINES`),
-    ``loss_aversion`` (>= 1; 1: gains and losses at par).
+    file is one trace).
     """
 
     metadata = {"render_modes": []}
@@ -184,8 +173,6 @@ class BatchFormationEnv(gym.Env):
             raise ValueError(f"window_requests must be >= 2, got {config['window_requests']}")
         if config["max_decisions"] < 0:
             raise ValueError(f"max_decisions must be >= 0 (0: no limit), got {config['max_decisions']}")
-        if not config["loss_aversion"] >= 1:
-            raise ValueError(f"loss_aversion must be >= 1 (1: losses and gains at par), got {config['loss_aversion']}")
         self.config = config
         self.num_candidates = k = check_num_candidates(config["num_candidates"])
         profile = config["profile"] or hardware_profile()
@@ -195,8 +182,7 @@ class BatchFormationEnv(gym.Env):
                                    kv_capacity_tokens=config["kv_capacity_tokens"]).resolve(self.cost_model)
         if config["workload_instances"] < 1:
             raise ValueError(f"workload_instances must be >= 1, got {config['workload_instances']}")
-        shared = workload_set(tuple(workloads), config["seed"], config["workload_instances"], self.engine,
-                              profile, config["reward_baseline"])
+        shared = workload_set(tuple(workloads), config["seed"], config["workload_instances"], self.engine, profile)
         self.workloads, self._digests, self._windows = shared.traces, shared.digests, shared.windows
         self.observation_space = gym.spaces.Box(0.0, OBS_CLIP, (observation_size(k),), np.float32)
         self.action_space = gym.spaces.Discrete(k + 1)
@@ -226,9 +212,7 @@ class BatchFormationEnv(gym.Env):
         sim.apply(int(action))
         self._point = sim.next_admission()
         reward = self._reward()
-        self._return += reward
         if self._point is None:
-            reward += (self.config["loss_aversion"] - 1) * min(self._return, 0.0)
             return self._terminal_obs, reward, True, False, self._final_info()
         limit = self.config["max_decisions"]
         truncated = 0 < limit <= sim.num_decisions
@@ -266,7 +250,6 @@ class BatchFormationEnv(gym.Env):
         self._sim = Simulator(window, self.cost_model, CHTOrder(), config=self.engine, digests=digests,
                               num_candidates=self.num_candidates)
         self._rewarded = (0, self._sim.now_s, 0)   # tokens, clock, admissions already rewarded
-        self._return = 0.0                         # the episode's rewards so far, loss aversion aside
         return self._sim.next_admission()
 
     def _window(self, w: int, start: int, size: int):
@@ -274,7 +257,7 @@ class BatchFormationEnv(gym.Env):
         cached in the shared :class:`WorkloadSet`.
 
         The trace is ``size`` requests from ``start`` with arrivals shifted to 0; the baseline
-        rate (output tokens/s) is one simulation of it under ``reward_baseline``.
+        rate (output tokens/s) is one simulation of it under FCFS.
         """
         key = (w, start, size)
         if key not in self._windows:
@@ -284,7 +267,7 @@ class BatchFormationEnv(gym.Env):
             shifted = [dataclasses.replace(r, arrival_s=r.arrival_s - t0) for r in requests]
             window = traces.Trace(f"{trace.name}[{start}:{start + size}]", shifted, trace.source, trace.block_size)
             digests = self._digests[w][start:start + size]
-            baseline = simulate(window, self.cost_model, make_policy(self.config["reward_baseline"]),
+            baseline = simulate(window, self.cost_model, make_policy("fcfs"),
                                 config=self.engine, digests=digests)
             total_output = sum(r.output_len for r in shifted)
             self._windows[key] = (window, digests, baseline.metrics()["throughput_tok_s"], total_output)
