@@ -61,9 +61,8 @@ def test_always_stop_still_terminates(env):
 
 
 def test_return_is_throughput_relative_to_fcfs():
-    """Without the wait term the return is 1 - makespan / fcfs_makespan: positive iff faster
-    than FCFS on the same window."""
-    env = BatchFormationEnv({**CONFIG, "wait_penalty": 0.0})
+    """The return is 1 - makespan / fcfs_makespan: positive iff faster than FCFS on the same window."""
+    env = BatchFormationEnv(CONFIG)
     for seed, policy in ((0, lambda obs: 1), (1, lambda obs: int(obs[0] < 0.1))):
         _, total, info = rollout(env, seed, policy)
         window = env._sim.trace

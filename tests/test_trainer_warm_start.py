@@ -11,7 +11,7 @@ from trainer.warm_start import (clone_into, demonstrator, improved_action, playo
                                 record_episode)
 
 ENV_CONFIG = {"workloads": ["prefix-groups:groups=3,num_requests=200,rate=50", "no-sharing:num_requests=100"],
-              "profile": "rtx6000-ada", "window_requests": 1000, "max_decisions": 4096, "wait_penalty": 0.0}
+              "profile": "rtx6000-ada", "window_requests": 1000, "max_decisions": 4096}
 
 
 def ppo_module(hidden=(32,)):

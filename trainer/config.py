@@ -90,11 +90,9 @@ class TrainConfig:
     resume: Path | None = None              # an RLlib checkpoint directory of a previous run
     ray_address: str | None = None          # None: start a local Ray
     # Episodes: the env's defaults (whole traces, as the evaluation runs them, truncated after
-    # ``max_decisions``; see feather_gym.envs.batch_formation.DEFAULT_CONFIG). The wait penalty
-    # is off: on overloaded traces every policy's waits pass any bound and it swamps the signal.
+    # ``max_decisions``; see feather_gym.envs.batch_formation.DEFAULT_CONFIG).
     window_requests: int = ENV_DEFAULTS["window_requests"]
     max_decisions: int = ENV_DEFAULTS["max_decisions"]
-    wait_penalty: float = 0.0
     # Candidate slots of the action (feather_gym.observation): 1 is ADD/STOP on the CHT's best
     # candidate; k > 1 chooses among the CHT's k best prefix groups, or STOP (Discrete(k + 1)).
     num_candidates: int = 4

@@ -78,7 +78,7 @@ def env_config(config: TrainConfig) -> dict:
     training part of each workload (:meth:`TrainConfig.training_workloads`)."""
     settings = {"workloads": list(config.training_workloads()), "profile": config.profile, "seed": config.seed,
                 "window_requests": config.window_requests, "max_decisions": config.max_decisions,
-                "wait_penalty": config.wait_penalty, "kv_capacity_tokens": config.kv_capacity_tokens,
+                "kv_capacity_tokens": config.kv_capacity_tokens,
                 "max_wait_steps": config.max_wait_steps,
                 "num_candidates": config.num_candidates, "workload_instances": config.workload_instances}
     return {key: value for key, value in settings.items() if value is not None}

@@ -33,8 +33,6 @@ DEFAULT_CONFIG = {
     "seed": 0,
     "window_requests": 1000,
     "max_decisions": 25_000,
-    "wait_bound_s": 10.0,
-    "wait_penalty": 1.0,
     "token_budget": None,
     "max_num_seqs": EngineConfig.max_num_seqs,
     "max_wait_steps": EngineConfig.max_wait_steps,
@@ -121,12 +119,11 @@ class BatchFormationEnv(gym.Env):
     ## Rewards
     Per step, in units of the window's total output tokens ``T``::
 
-        r = (tokens emitted - b * elapsed_s - wait_penalty * excess_wait_s * b) / T
+        r = (tokens emitted - b * elapsed_s) / T
 
-    ``b`` is the throughput FCFS reaches on the
-    same window (one simulation per window, cached), and ``excess_wait_s`` is the time
-    admissions waited beyond ``wait_bound_s``. Every request finishes within a terminated
-    episode, so without the wait term the return is ``1 - makespan / baseline_makespan``: the
+    ``b`` is the throughput FCFS reaches on the same window (one simulation per window, cached)
+    and ``elapsed_s`` the simulated time since the last decision. Every request finishes within a
+    terminated episode, so the return is ``1 - makespan / baseline_makespan``: the
     share of the baseline's time the policy saves, positive exactly when it beats the baseline;
     returns rank policies as their end-to-end throughput on the window does, and stay of order
     1 on windows of any size (value functions learn them at ordinary learning rates). The reward
@@ -152,7 +149,7 @@ class BatchFormationEnv(gym.Env):
     (RLlib style); keys (defaults in ``DEFAULT_CONFIG``): ``workloads`` (workload specs for
     ``traces.resolve_workload``), ``profile`` (cost model name or file; None: ``hardware_profile()``), ``seed`` (workload
     generation, and the episode stream unless ``reset(seed=...)``), ``window_requests``,
-    ``max_decisions`` (0: no limit), ``wait_bound_s``, ``wait_penalty``, ``token_budget`` (None: the
+    ``max_decisions`` (0: no limit), ``token_budget`` (None: the
     profile's), ``max_num_seqs``, ``max_wait_steps`` (the admission's waiting-time bound in engine steps, as deployed),
     ``kv_capacity_tokens`` (None: the profile's), ``num_candidates`` (``k``, >= 1),
     ``workload_instances`` (traces of each generator spec, seeds ``seed .. seed + n - 1``; a trace
@@ -249,7 +246,7 @@ class BatchFormationEnv(gym.Env):
         window, digests, self._baseline, self._reward_scale = self._window(w, start, size)
         self._sim = Simulator(window, self.cost_model, CHTOrder(), config=self.engine, digests=digests,
                               num_candidates=self.num_candidates)
-        self._rewarded = (0, self._sim.now_s, 0)   # tokens, clock, admissions already rewarded
+        self._rewarded = (0, self._sim.now_s)   # tokens and clock already rewarded
         return self._sim.next_admission()
 
     def _window(self, w: int, start: int, size: int):
@@ -276,13 +273,9 @@ class BatchFormationEnv(gym.Env):
     def _reward(self) -> float:
         """Reward of everything since the last one (the first step also covers the reset's run-up)."""
         sim = self._sim
-        tokens, now, admissions = self._rewarded
-        self._rewarded = (sim.tokens_out, sim.now_s, len(sim.admission_waits))
-        tokens, elapsed_s = sim.tokens_out - tokens, sim.now_s - now
-        bound = self.config["wait_bound_s"]
-        excess = sum(w - bound for w in sim.admission_waits[admissions:] if w > bound)
-        penalty = self.config["wait_penalty"] * excess
-        return float((tokens - self._baseline * (elapsed_s + penalty)) / self._reward_scale)
+        tokens, now = self._rewarded
+        self._rewarded = (sim.tokens_out, sim.now_s)
+        return float((sim.tokens_out - tokens - self._baseline * (sim.now_s - now)) / self._reward_scale)
 
     def _final_info(self) -> dict:
         sim = self._sim
