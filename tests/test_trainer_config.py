@@ -15,6 +15,25 @@ def flags(argv: list[str]) -> dict:
     return {k: v for k, v in args.items() if k not in ("config", "json")}
 
 
+def test_trainer_modules_import_no_cycle():
+    """Imports between trainer's modules (inside functions too) form no cycle."""
+    import ast
+    from graphlib import TopologicalSorter
+    from pathlib import Path
+
+    import trainer
+
+    graph = {}
+    for path in Path(trainer.__file__).parent.glob("*.py"):
+        imported = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import) else
+                     [node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
+            imported |= {name.split(".")[1] for name in names if name.startswith("trainer.")}
+        graph[path.stem] = imported
+    tuple(TopologicalSorter(graph).static_order())          # graphlib.CycleError on a cycle
+
+
 def test_defaults_mix_sharing_and_no_sharing():
     config = build_config({}, flags([]))
     assert config == TrainConfig()

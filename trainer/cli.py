@@ -135,8 +135,7 @@ def run_train(args: argparse.Namespace) -> int:
 
 
 def run_export(args: argparse.Namespace) -> int:
-    from trainer.export import export_policy_module, load_policy_network
-    from trainer.train import read_training_info
+    from trainer.export import export_policy_module, load_policy_network, read_training_info
 
     info = read_training_info(args.checkpoint) or {}      # ValueError: trained for another observation contract
     network = load_policy_network(args.checkpoint)

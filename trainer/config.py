@@ -180,8 +180,7 @@ class TrainConfig:
         if self.resume is not None:
             if not Path(self.resume).is_dir():
                 raise FileNotFoundError(f"resume: checkpoint directory {self.resume} does not exist")
-            from trainer.export import load_policy_network
-            from trainer.train import read_training_info
+            from trainer.export import load_policy_network, read_training_info
 
             read_training_info(self.resume)                      # another observation contract fails here,
             load_policy_network(self.resume)                     # and a corrupted checkpoint, before Ray

@@ -36,7 +36,6 @@ from trainer.config import TrainConfig, training_env_seed
 from trainer.logs import IterationRecord, RunLog
 
 RLLIB_ENV_NAME = "feather-batch-formation"
-TRAINING_INFO_FILE = "feather_training.json"   # inside the checkpoint: what export needs to label the policy
 CLONE_FILE, CLONE_LABEL = "clone.onnx", "clone"   # the warm-start clone, evaluated beside the trained policy
 DEMONSTRATOR_LABEL = "demonstrator"   # the policy the warm start recorded (trainer.warm_start.demonstrator), likewise
 
@@ -268,39 +267,10 @@ def _progress_line(record: IterationRecord, left_s: float) -> str:
             f"elapsed {record.time_total_s:6.0f} s | left ~{left_s:5.0f} s")
 
 
-def write_training_info(checkpoint: Path, config: TrainConfig, trained_at: datetime) -> None:
-    """Label the checkpoint with what its policy was trained on (read back by ``feather-train export``
-    and ``--resume``), its observation contract included."""
-    from feather_gym.observation import OBS_VERSION
-
-    info = {"profile": config.profile, "workloads": list(config.workloads), "trained_at": trained_at.isoformat(),
-            "obs_version": OBS_VERSION, "max_wait_steps": config.max_wait_steps}
-    (checkpoint / TRAINING_INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
-
-
-def read_training_info(checkpoint: Path) -> dict | None:
-    """The label written by :func:`write_training_info`, or None for a foreign checkpoint.
-
-    ``ValueError`` when the label says the network was trained on another observation contract
-    than this build's (a label without one predates ``feather-obs-4``): its inputs would mean
-    other things here, so it can be neither exported as this contract nor fine-tuned."""
-    from feather_gym.observation import OBS_VERSION
-
-    path = Path(checkpoint) / TRAINING_INFO_FILE
-    if not path.is_file():
-        return None
-    info = json.loads(path.read_text())
-    theirs = info.get("obs_version", "feather-obs-3 or earlier")
-    if theirs != OBS_VERSION:
-        raise ValueError(f"checkpoint {checkpoint} was trained for observation version {theirs!r}, this "
-                         f"feather-gym builds {OBS_VERSION!r}; retrain it (feather-train) for this version")
-    return info
-
-
 def train(config: TrainConfig, *, progress: Callable[[str], None] = print) -> dict:
     """Run the whole job of the module docstring; returns the summary (also in summary.json)."""
     from trainer.evaluate import evaluate_policy, format_table
-    from trainer.export import export_policy_module, load_policy_network
+    from trainer.export import export_policy_module, load_policy_network, write_training_info
     from trainer.warm_start import demonstrator, warm_start
 
     config = config.resolved()
@@ -337,7 +307,8 @@ def train(config: TrainConfig, *, progress: Callable[[str], None] = print) -> di
         finally:
             algo.stop()
     trained_at = datetime.now(timezone.utc)
-    write_training_info(checkpoint, config, trained_at)
+    write_training_info(checkpoint, profile=config.profile, workloads=config.workloads, trained_at=trained_at,
+                        max_wait_steps=config.max_wait_steps)
     run_log.plot_learning_curve(out / "learning_curve.png", title=f"Feather PPO ({config.profile})",
                                 validation=best.history)
 
