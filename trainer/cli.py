@@ -25,6 +25,7 @@ settings.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from datetime import datetime
@@ -109,13 +110,15 @@ NOT_RESUMED = ("output_dir", "resume", "iterations", "time_budget_s", "ray_addre
 
 def resumed_run(resume: Path) -> tuple[Path, dict]:
     """(the checkpoint, the settings) ``--resume`` continues: a run folder's ``checkpoint/`` and its
-    ``summary.json`` settings less :data:`NOT_RESUMED`, or a checkpoint folder with no settings."""
+    ``summary.json`` settings less :data:`NOT_RESUMED`, or a checkpoint folder with no settings.
+    A setting this build no longer has (an older run's) is left out."""
     run = Path(resume)
     if not (run / "checkpoint").is_dir():
         return run, {}
     summary = run / "summary.json"
     settings = json.loads(summary.read_text())["config"] if summary.is_file() else {}
-    return run / "checkpoint", {key: value for key, value in settings.items() if key not in NOT_RESUMED}
+    known = {field.name for field in dataclasses.fields(TrainConfig)} - set(NOT_RESUMED)
+    return run / "checkpoint", {key: value for key, value in settings.items() if key in known}
 
 
 def run_train(args: argparse.Namespace) -> int:
