@@ -15,6 +15,39 @@ def flags(argv: list[str]) -> dict:
     return {k: v for k, v in args.items() if k not in ("config", "json")}
 
 
+def test_every_setting_is_a_flag_with_help():
+    """TrainConfig is the one definition of the settings: each field has help text and a flag, its
+    name with dashes except the few spelled as they always were."""
+    import dataclasses
+
+    spelled = {"workloads": "--workload", "time_budget_s": "--time-budget", "num_env_runners": "--env-runners",
+               "output_dir": "--output"}
+    options = {action.dest: action.option_strings for action in build_train_parser()._actions}
+    for field in dataclasses.fields(TrainConfig):
+        assert field.metadata["help"].strip(), field.name
+        assert options[field.name] == [spelled.get(field.name, "--" + field.name.replace("_", "-"))]
+    assert set(options) == {f.name for f in dataclasses.fields(TrainConfig)} | {"help", "config", "json"}
+
+
+def test_the_flags_keep_their_spelling():
+    config = build_config({}, flags(["--workload", "no-sharing", "--workload", "tool-agent", "--time-budget", "60",
+                                     "--env-runners", "0", "--output", "out", "--hidden-sizes", "32", "32",
+                                     "--eval-seeds", "7", "8"]))
+    assert config.workloads == ("no-sharing", "tool-agent") and config.time_budget_s == 60.0
+    assert config.num_env_runners == 0 and str(config.output_dir) == "out"
+    assert config.hidden_sizes == (32, 32) and config.eval_seeds == (7, 8)
+    with pytest.raises(SystemExit):
+        flags(["--iterations", "3", "--time-budget", "60"])          # one budget or the other
+
+
+def test_ppo_flags_reach_the_ppo_config():
+    from trainer.train import ppo_config
+
+    ppo = ppo_config(build_config({"workloads": ["no-sharing"]}, flags(["--lr", "1e-4", "--entropy-coeff", "0.02"])))
+    assert ppo.lr == 1e-4 and ppo.entropy_coeff == 0.02
+    assert ppo_config(TrainConfig(workloads=("no-sharing",))).lr == TrainConfig().lr
+
+
 def test_trainer_modules_import_no_cycle():
     """Imports between trainer's modules (inside functions too) form no cycle."""
     import ast

@@ -83,14 +83,14 @@ def env_config(config: TrainConfig) -> dict:
     return {key: value for key, value in settings.items() if value is not None}
 
 
-def build_algorithm(config: TrainConfig):
-    """The PPO ``Algorithm`` of ``config`` (Ray must be running)."""
+def ppo_config(config: TrainConfig):
+    """RLlib's ``PPOConfig`` of ``config`` (its ``build_algo()`` needs Ray running)."""
     from ray.rllib.algorithms.ppo import PPOConfig
     from ray.rllib.core.rl_module.default_model_config import DefaultModelConfig
     from ray.tune.registry import register_env
 
     register_env(RLLIB_ENV_NAME, make_training_env)
-    ppo = (
+    return (
         PPOConfig()
         .environment(RLLIB_ENV_NAME, env_config=env_config(config))
         .env_runners(num_env_runners=config.num_env_runners, num_envs_per_env_runner=config.envs_per_env_runner,
@@ -103,7 +103,6 @@ def build_algorithm(config: TrainConfig):
                                                    fcnet_activation="tanh", vf_share_layers=False))
         .debugging(seed=config.seed)
     )
-    return ppo.build_algo()
 
 
 def restore(algo, checkpoint: Path) -> None:
@@ -283,7 +282,7 @@ def train(config: TrainConfig, *, progress: Callable[[str], None] = print) -> di
 
     job_start = time.monotonic()
     with ray_session(config.ray_address), RunLog(out / "tensorboard") as run_log:
-        algo = build_algorithm(config)
+        algo = ppo_config(config).build_algo()
         try:
             warm = clone_path = None
             learning_start = time.monotonic()
