@@ -2,19 +2,14 @@
 
 Why: the Feather gain needs *consistent* STOPs (a group kept out for a batch's whole life). From
 a random or always-ADD start, PPO explores single STOPs, each of which only delays one request,
-so the gradient points back to always-ADD and training settles there (measured: the policy
-trained from scratch matched always-ADD, 1.07x FCFS on the 5-group workload, where the Feather
-rule reaches 1.14x). Starting PPO from the Feather rule puts it where consistent STOPs happen,
-and PPO then improves on it (on the cpu profile it learns to hold groups out more: 1.157x FCFS
-on prefix-groups against the clone's 1.097x and the rule's 1.072x, 10 held-out seeds).
+so the gradient points back to always-ADD and training settles there. Starting PPO from the
+Feather rule puts it where consistent STOPs happen, so what PPO learns starts from the rule.
 
 What is cloned must be a function of the observation. The Feather rule's one piece of history,
 its floor (it grows by one every few steps in which the rule refused, up to ``max_floor``), is not
 observable, and a clone of the rule with its floor still growing mixes contradicting labels (ADD
 and STOP for the same features) and errs in closed loop. So the rule is recorded in its steady
-state, floor at ``max_floor`` from the start: stateless, and within about 1% of the rule's
-throughput on the default mix (measured on 3 held-out seeds: cpu identical, rtx6000-ada 1.280x
-vs 1.293x FCFS on the 5-group workload and 1.0055x vs 1.0046x on prefix-groups).
+state, floor at ``max_floor`` from the start: stateless, and otherwise the rule.
 
 How: run the heuristic in the training env (same workloads, profile and episode settings as
 PPO), record observations, the heuristic's actions and the undiscounted return-to-go of every

@@ -22,11 +22,12 @@ from traces.workload import is_generated
 WINDOW_STARTS_PER_WINDOW = 4
 
 #: Defaults: whole traces (the generators make at most 1000 requests), because batch formation
-#: pays off only over many batches: on 64-request windows the Feather rule loses to always-ADD
-#: (0.93x on rtx6000-ada, 5 groups) where on the whole trace it wins (1.04x), so short windows
-#: reward the wrong policy. ``max_decisions`` bounds the episodes of STOP-heavy policies, far
-#: above a sane policy's (about 1,000-1,500 decisions per 1,000 requests): a truncated episode
-#: never shows the cost of starving a group (its late drain), so truncating early teaches starving.
+#: pays off only over many batches: a short window charges a group held out its delay but ends
+#: before the batches that repay it, so short windows reward the wrong policy. ``max_decisions``
+#: bounds the episodes of STOP-heavy policies (one that stops is asked again every engine step),
+#: far above the decisions of a policy that mostly admits (about one per request): a truncated
+#: episode never shows the cost of starving a group (its late drain), so truncating early teaches
+#: starving.
 DEFAULT_CONFIG = {
     "workloads": ("prefix-groups",),
     "profile": None,          # None: hardware_profile(), the shipped profile of this machine
@@ -78,9 +79,9 @@ class BatchFormationEnv(gym.Env):
     point of an engine step the Chunked Hash Tree proposes up to ``k = num_candidates``
     candidates, the best waiting request (fewest chunks missing from the running batch) of each
     of its ``k`` best prefix groups (``ChunkedHashTree.top_candidates``; slot 0 is its overall
-    best), and the agent admits one of them or stops. With ``k = 1`` (the default) that is ADD
-    or STOP on the best candidate. The engine admits into an empty batch without asking, so an
-    episode always progresses.
+    best), and the agent admits one of them or stops. With ``k = 1`` (the env's default;
+    ``feather-train`` trains ``k = 4``) that is ADD or STOP on the best candidate. The engine
+    admits into an empty batch without asking, so an episode always progresses.
 
     ## Action Space
     ``Discrete(k + 1)``:
@@ -117,17 +118,20 @@ class BatchFormationEnv(gym.Env):
     | 8   | oldest_wait_steps            | engine steps the earliest-arrived waiting one waited | 64    |
 
     ## Rewards
-    Per step, in units of the window's total output tokens ``T``::
+    Every step: ``r = (tokens - b * elapsed_s) / T``, measured against FCFS on the same window:
 
-        r = (tokens emitted - b * elapsed_s) / T
+    | Term        | Meaning                                                                        |
+    |-------------|--------------------------------------------------------------------------------|
+    | tokens      | output tokens emitted from the decision to the next one (or the episode's end)  |
+    | elapsed_s   | simulated seconds of that span (zero between admissions of one engine step; the |
+    |             | first step also covers the run-up to the first decision)                       |
+    | b           | FCFS's throughput on the window, output tokens/s (one simulation per window)   |
+    | T           | the window's total output tokens                                               |
 
-    ``b`` is the throughput FCFS reaches on the same window (one simulation per window, cached)
-    and ``elapsed_s`` the simulated time since the last decision. Every request finishes within a
-    terminated episode, so the return is ``1 - makespan / baseline_makespan``: the
-    share of the baseline's time the policy saves, positive exactly when it beats the baseline;
-    returns rank policies as their end-to-end throughput on the window does, and stay of order
-    1 on windows of any size (value functions learn them at ordinary learning rates). The reward
-    is in simulated time, step by step (a step that takes longer costs more).
+    A terminated episode has emitted ``T`` tokens in its makespan, so its return is
+    ``1 - makespan / fcfs_makespan``: the share of FCFS's time the policy saves, positive exactly
+    when it is faster than FCFS on the window. Returns rank policies as their end-to-end
+    throughput on the window does, and stay of order 1 on windows of any size.
 
     ## Starting State
     A window of ``window_requests`` consecutive requests of one of the traces (``workload_instances``
@@ -138,11 +142,18 @@ class BatchFormationEnv(gym.Env):
     with no decision at all are redrawn.
 
     ## Episode End
-    Terminated when every request of the window has finished (the final observation is all
-    zeros); a policy that always STOPs still drains the batch, and an empty batch admits
-    without asking. Truncated after ``max_decisions`` decisions when that is positive (a
-    STOP-heavy policy asks about the same candidate every engine step, so early in training
-    whole-trace episodes can run to tens of thousands of decisions).
+
+    | End        | When                                                                         |
+    |------------|------------------------------------------------------------------------------|
+    | terminated | every request of the window has finished (or was rejected as too long for    |
+    |            | the KV cache); the final observation is all zeros and the info holds         |
+    |            | ``workload``, ``throughput_tok_s``, ``baseline_throughput_tok_s`` (FCFS's),  |
+    |            | ``makespan_s`` and ``decisions``                                             |
+    | truncated  | ``max_decisions`` decisions were taken, when that is positive                |
+
+    A policy that always STOPs still terminates: the running batch drains, and an empty batch
+    admits without asking. The truncation bounds the episodes of STOP-heavy policies, which are
+    asked about the same candidate every engine step.
 
     ## Arguments
     ``gym.make("feather_gym/BatchFormation-v0", **config)`` or ``BatchFormationEnv(env_config)``
