@@ -39,7 +39,8 @@ attention KV read once), which recurrent states do not change, and count every s
 Features 0-2 are the Feather paper's; 3-8 are extras. All raw values are non-negative, so every
 offset is 0 and the normalised range is ``[0, OBS_CLIP]``.
 
-Candidates and actions (``k`` = ``num_candidates``, default 1). At a decision point the CHT
+Candidates and actions (``k`` = ``num_candidates``; :data:`DEFAULT_NUM_CANDIDATES`, 1, where a
+caller gives none, while ``feather-train`` trains ``k = 4`` by default). At a decision point the CHT
 offers up to ``k`` candidates, the best waiting request of each of its ``k`` best prefix groups
 (``ChunkedHashTree.top_candidates``; a request's group is its deepest prefix shared with another
 waiting request, the one ``same_prefix_waiting`` counts), best first; slot 0 is always filled (the CHT's best, the

@@ -243,8 +243,7 @@ class Simulator:
     (``tree``, ``num_running``, ``kv_utilisation``, ``oldest_wait_steps``, ``context_tokens``).
     Public read-only state used by orderings and observations: ``now_s``, ``step``, ``cht``,
     ``kv``, ``running`` (dict, admission order), ``digest_lists`` (prompt digests),
-    ``group_of``; counters ``tokens_out`` and ``admission_waits`` (seconds each admission
-    waited, in order).
+    ``group_of``; counter ``tokens_out``.
     """
 
     def __init__(self, trace: Trace, cost_model: CostModel, order: WaitingOrder, *,
@@ -278,7 +277,6 @@ class Simulator:
         self._state = [_PENDING] * n
         self._emitted = [0] * n           # output tokens emitted so far (kept across preemption)
         self._epoch = [0] * n             # bumped on preemption: invalidates heap entries
-        self._enqueued_s = [0.0] * n
         self._decode_from = [(0, 0)] * n  # (step s0, emitted before s0) while decoding
 
         self.now_s = requests[0].arrival_s if n else 0.0
@@ -310,7 +308,6 @@ class Simulator:
         self._pending: list[int] | None = None  # the candidates of the open decision
 
         self.tokens_out = 0
-        self.admission_waits: list[float] = []
         self.num_preemptions = 0
         self.num_decisions = 0
         self.num_forced_wait = 0
@@ -472,7 +469,6 @@ class Simulator:
 
     def _enqueue(self, idx: int, *, preempted: bool) -> None:
         self._state[idx] = _WAITING
-        self._enqueued_s[idx] = self.now_s
         chain = self._chain(idx, self.context_tokens(idx) // self.block_size)
         self.cht.add(idx, self.digests[idx] if len(chain) == len(self.digests[idx])
                      else np.array(chain, dtype=np.uint64))
@@ -537,7 +533,6 @@ class Simulator:
         self.kv.admit(idx, hits)
         self._state[idx] = _RUNNING
         self.running[idx] = None
-        self.admission_waits.append(self.now_s - self._enqueued_s[idx])
         computed = len(hits) * self.block_size
         if math.isnan(self.first_scheduled_s[idx]):
             self.first_scheduled_s[idx] = self.now_s

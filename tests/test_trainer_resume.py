@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from trainer.cli import main, resumed_run
-from trainer.config import TrainConfig
+from trainer.config import TrainConfig, build_config
 from trainer.train import train
 
 WORKLOADS = ("prefix-groups:num_requests=48,groups=3,rate=100", "no-sharing:num_requests=48")
@@ -35,6 +35,17 @@ def test_a_run_folder_resumes_its_checkpoint_with_its_settings_but_not_its_budge
     assert settings["hidden_sizes"] == [16] and settings["seed"] == 3
     assert not {"output_dir", "time_budget_s", "iterations", "resume", "warm_start"} & set(settings)
     assert resumed_run(run / "checkpoint") == (run / "checkpoint", {})        # a bare checkpoint: no settings
+
+
+def test_an_older_runs_settings_this_build_no_longer_has_are_left_out(tmp_path):
+    run = fake_run(tmp_path / "run", workloads=WORKLOADS, seed=3)
+    summary = json.loads((run / "summary.json").read_text())
+    removed = {"discount_half_life_s": None, "dagger_rounds": 0, "improve_actions": "stop", "reward_baseline": "fcfs",
+               "loss_aversion": 1.0, "wait_penalty": 0.0}
+    (run / "summary.json").write_text(json.dumps({"config": summary["config"] | removed}))
+    _, settings = resumed_run(run)
+    assert not set(removed) & set(settings) and settings["seed"] == 3
+    assert build_config(settings, {}).workloads == WORKLOADS
 
 
 def test_resuming_a_run_folder_checks_its_checkpoint_before_training(tmp_path, capsys):

@@ -34,8 +34,7 @@ def test_tiny_training_run_exports_a_valid_policy(tmp_path, capsys, monkeypatch)
     config = TrainConfig(workloads=WORKLOADS, profile="h100", iterations=2, num_env_runners=0,
                          envs_per_env_runner=2, window_requests=32, train_batch_size=256, minibatch_size=128,
                          num_epochs=1, hidden_sizes=(16,), eval_seeds=(10_001,), validation_seeds=(20_001,),
-                         validate_every=1, num_candidates=1, improve_warm_start=None, dagger_rounds=1,
-                         output_dir=Path("run"))
+                         validate_every=1, num_candidates=1, improve_warm_start=None, output_dir=Path("run"))
     summary = train(config, progress=print)
     out = tmp_path / "run"
 
@@ -51,13 +50,6 @@ def test_tiny_training_run_exports_a_valid_policy(tmp_path, capsys, monkeypatch)
     # Cloned as it is (improve_warm_start off: playouts cost minutes), then evaluated beside the clone and
     # the demonstrator it was recorded from.
     assert "improved by playouts" not in progress and summary["warm_start"]["min_gain"] is None
-    # One round of DAgger: the clone drove the demonstration episodes and was fitted to both rounds.
-    (dagger,) = summary["warm_start"]["dagger"]
-    assert "DAgger round 1: the clone met" in progress
-    assert dagger["decisions"] > 0 and 0 <= dagger["agreement_before"] <= 1 and 0 <= dagger["accuracy"] <= 1
-    # The clone that drove it is kept and evaluated beside the trained policy.
-    assert (tmp_path / "run" / "clone-round-0.onnx").is_file() and "trained over the first clone, before DAgger" in progress
-    assert set(summary["beyond_first_clone"]["paired_by_workload"]) == set(WORKLOADS)
     assert "trained over the demonstrator (feather-rule as recorded)" in progress
     assert set(summary["beyond_demonstrator"]["paired_by_workload"]) == set(WORKLOADS)
     assert [v["iteration"] for v in summary["validation"]["history"]] == [0, 1, 2]
@@ -84,7 +76,7 @@ def test_tiny_training_run_exports_a_valid_policy(tmp_path, capsys, monkeypatch)
 
     (result_a, result_b) = summary["evaluation"]["workloads"]
     for result in (result_a, result_b):
-        assert {"fcfs", "lpm", "dfs", "feather-rule", "group-label", "clone", "demonstrator", "clone-round-0",
+        assert {"fcfs", "lpm", "dfs", "feather-rule", "group-label", "clone", "demonstrator",
                 "trained"} <= set(result["throughput_tok_s"])
         assert result["ratio_to_fcfs"]["fcfs"] == 1.0 and result["throughput_tok_s"]["trained"] > 0
     assert result_a["target"].startswith(">= best heuristic") and result_b["target"].endswith("x fcfs")

@@ -11,7 +11,7 @@ from trainer.warm_start import (clone_into, demonstrator, improved_action, playo
                                 record_episode)
 
 ENV_CONFIG = {"workloads": ["prefix-groups:groups=3,num_requests=200,rate=50", "no-sharing:num_requests=100"],
-              "profile": "rtx6000-ada", "window_requests": 1000, "max_decisions": 4096, "wait_penalty": 0.0}
+              "profile": "rtx6000-ada", "window_requests": 1000, "max_decisions": 4096}
 
 
 def ppo_module(hidden=(32,)):
@@ -52,39 +52,20 @@ def test_cloning_reproduces_the_rule(demos):
     assert float((logits.argmax(-1).numpy() == demos.actions).mean()) == pytest.approx(fit["accuracy"])
 
 
-def test_a_driver_takes_the_actions_and_the_demonstrator_labels_them():
-    """DAgger's episodes: the driver's states and returns, the demonstrator's labels."""
-    workload = ENV_CONFIG["workloads"][0]
-    driven = record_episode("feather-rule", ENV_CONFIG, workload, seed=0, driver="cht")
-    always_add = record_episode("cht", ENV_CONFIG, workload, seed=0)
-    assert set(always_add.actions.tolist()) == {1}
-    assert np.array_equal(driven.obs, always_add.obs) and np.array_equal(driven.returns, always_add.returns)
-    assert 0 in driven.actions.tolist()           # the rule would have stopped where always-ADD admitted
-
-
-def test_value_targets_are_discounted_as_ppos_with_a_half_life():
-    """With ``half_life_s`` the recorded returns-to-go are the semi-MDP returns of the same episode's
-    rewards and elapsed times (trainer.semi_mdp); the labels do not change."""
+def test_value_targets_are_the_undiscounted_returns_to_go():
+    """The recorded returns are the return-to-go of the same episode's rewards, as PPO's (gamma 1)."""
     from feather_gym.envs import ENV_ID
-    from feather_gym.envs.batch_formation import ELAPSED_INFO
-    from trainer.semi_mdp import discounted_returns, step_discounts
 
     workload = ENV_CONFIG["workloads"][0]
-    plain = record_episode("feather-rule", ENV_CONFIG, workload, seed=0)
-    discounted = record_episode("feather-rule", ENV_CONFIG, workload, seed=0, half_life_s=2.0)
-    assert np.array_equal(plain.actions, discounted.actions)
+    recorded = record_episode("feather-rule", ENV_CONFIG, workload, seed=0)
     env = gym.make(ENV_ID, **{**ENV_CONFIG, "workloads": [workload], "seed": 0, "workload_instances": 1})
     env.reset()
-    rule, rewards, elapsed, done = demonstrator("feather-rule"), [], [], False
+    rule, rewards, done = demonstrator("feather-rule"), [], False
     while not done:
-        _, reward, terminated, truncated, info = env.step(rule.decide(env.unwrapped.admission_point))
+        _, reward, terminated, truncated, _ = env.step(rule.decide(env.unwrapped.admission_point))
         rewards.append(reward)
-        elapsed.append(info[ELAPSED_INFO])
         done = terminated or truncated
-    np.testing.assert_allclose(plain.returns, np.cumsum(rewards[::-1])[::-1], rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(discounted.returns, discounted_returns(rewards, step_discounts(elapsed, 2.0)),
-                               rtol=1e-5, atol=1e-6)
-    assert not np.allclose(discounted.returns, plain.returns, atol=1e-3)
+    np.testing.assert_allclose(recorded.returns, np.cumsum(rewards[::-1])[::-1], rtol=1e-5, atol=1e-6)
 
 
 def test_the_rule_is_recorded_stateless(demos):
@@ -119,7 +100,7 @@ def test_a_playout_is_the_return_the_env_then_gets():
     assert total == pytest.approx(expected, rel=1e-12, abs=1e-12)
 
 
-def test_improved_labels_are_the_best_playouts_beyond_the_minimum_gain():
+def test_improved_labels_are_stop_where_its_playouts_beat_the_rules_beyond_the_minimum_gain():
     env = BatchFormationEnv(IMPROVE_CONFIG)
     rule = demonstrator("feather-rule")
     gains = []
@@ -129,21 +110,19 @@ def test_improved_labels_are_the_best_playouts_beyond_the_minimum_gain():
         # At the first decision the true lengths too; then two sampled futures (the default is 4).
         for samples in [None] * (not gains) + [2]:
             runs = playout_futures(point.sim, samples)
-            returns = {a: np.mean([playout_return(env, rule, a, run) for run in runs]) for a in point.distinct_actions}
-            best = max(returns, key=returns.get)
+            stop, own = (np.mean([playout_return(env, rule, a, run) for run in runs]) for a in (0, action))
             for min_gain in (0.0, MIN_GAIN):
                 label = improved_action(env, rule, action, min_gain, samples=samples)
-                assert label == (best if returns[best] > returns[action] + min_gain else action)
-        gains.append(returns[best] - returns[action])
+                assert label == (0 if stop > own + min_gain else action)
+        gains.append(stop - own)
         _, _, terminated, truncated, _ = env.step(action)
         if terminated or truncated:
             break
-    # Every branch ran: gains above the threshold, below it, and none.
-    assert min(gains) == 0 and any(0 < gain <= MIN_GAIN for gain in gains) and any(gain > MIN_GAIN for gain in gains)
-    improved = record_demonstrations("feather-rule", {**IMPROVE_CONFIG, "workloads": IMPROVE_CONFIG["workloads"][:1]},
-                                     seeds=range(1), min_gain=0.0)
-    plain = record_demonstrations("feather-rule", {**IMPROVE_CONFIG, "workloads": IMPROVE_CONFIG["workloads"][:1]},
-                                  seeds=range(1))
+    # Every branch ran: STOP gaining above the threshold, below it, and losing.
+    assert min(gains) < 0 and any(0 < gain <= MIN_GAIN for gain in gains) and any(gain > MIN_GAIN for gain in gains)
+    no_sharing = {**IMPROVE_CONFIG, "workloads": IMPROVE_CONFIG["workloads"][1:]}    # where STOP gains
+    improved = record_demonstrations("feather-rule", no_sharing, seeds=range(1), min_gain=0.0)
+    plain = record_demonstrations("feather-rule", no_sharing, seeds=range(1))
     np.testing.assert_array_equal(improved.obs, plain.obs)        # the rule's own states, relabelled
     assert improved.relabelled == int((improved.actions != plain.actions).sum()) > 0 and plain.relabelled == 0
 
@@ -151,30 +130,9 @@ def test_improved_labels_are_the_best_playouts_beyond_the_minimum_gain():
 @pytest.mark.slow
 def test_recording_in_worker_processes_gives_the_same_demonstrations():
     config = {**IMPROVE_CONFIG, "workloads": ["prefix-groups:groups=3,num_requests=48,rate=50"]}
-    alone = record_demonstrations("feather-rule", config, seeds=range(2), min_gain=MIN_GAIN, actions="stop")
-    pooled = record_demonstrations("feather-rule", config, seeds=range(2), min_gain=MIN_GAIN, actions="stop",
-                                   workers=2)
+    alone = record_demonstrations("feather-rule", config, seeds=range(2), min_gain=MIN_GAIN)
+    pooled = record_demonstrations("feather-rule", config, seeds=range(2), min_gain=MIN_GAIN, workers=2)
     np.testing.assert_array_equal(pooled.obs, alone.obs)
     np.testing.assert_array_equal(pooled.actions, alone.actions)
     np.testing.assert_array_equal(pooled.returns, alone.returns)
     assert pooled.relabelled == alone.relabelled > 0
-
-
-def test_improved_labels_restricted_to_stop_take_the_best_of_the_two():
-    env = BatchFormationEnv(IMPROVE_CONFIG)
-    rule = demonstrator("feather-rule")
-    env.reset(seed=1)
-    decisions = 0
-    while (point := env.admission_point) is not None and decisions < 12:
-        action = rule.decide(point)
-        futures = playout_futures(point.sim, 2)
-        returns = {a: np.mean([playout_return(env, rule, a, run) for run in futures]) for a in {action, 0}}
-        best = max(returns, key=returns.get)
-        label = improved_action(env, rule, action, MIN_GAIN, samples=2, actions="stop")
-        assert label == (best if returns[best] > returns[action] + MIN_GAIN else action) and label in (action, 0)
-        decisions += 1
-        _, _, terminated, truncated, _ = env.step(action)
-        if terminated or truncated:
-            break
-    with pytest.raises(ValueError, match="actions: one of"):
-        improved_action(env, rule, 0, MIN_GAIN, actions="slots")

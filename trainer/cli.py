@@ -3,9 +3,12 @@
 Usage::
 
     feather-train [--config FILE] [--workload SPEC ...] [--profile NAME] [--iterations N | --time-budget S]
-                  [--env-runners N] [--seed N] [--eval-fraction F] [--output DIR] [--resume RUN_DIR|CHECKPOINT]
-                  [--ray-address ADDR] [--json]
+                  [--env-runners N] [--seed N] [--output DIR] [--resume RUN_DIR|CHECKPOINT] [--lr LR] ... [--json]
     feather-train export CHECKPOINT -o policy.onnx [--profile NAME] [--workload SPEC ...] [--json]
+
+Every setting of :class:`~trainer.config.TrainConfig` is a flag (:func:`add_dataclass_flags`): its
+name with dashes (``--entropy-coeff``), except the few spelled as they always were
+(``--workload``, ``--time-budget``, ``--env-runners``, ``--output``).
 
 With no arguments it trains on a built-in mix of prefix-sharing and no-sharing workloads with the
 shipped cost-model profile of this hardware, on a budget that finishes in under 10 minutes on 2
@@ -25,77 +28,81 @@ settings.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
+import types
+import typing
 from datetime import datetime
 from pathlib import Path
 
-from trainer.config import DEFAULT_MIXES, OFF, TrainConfig, build_config, load_config_file
-from trainer.warm_start import IMPROVE_ACTIONS
+from trainer.config import OFF, TrainConfig, build_config, load_config_file
 
 
-def min_gain(text: str) -> float | str:
-    """``--improve-warm-start``'s value: a minimum gain, or :data:`~trainer.config.OFF` (no improvement)."""
-    if text == OFF:
-        return OFF
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"a minimum gain (e.g. 0.01) or off, got {text!r}") from None
+def add_dataclass_flags(parser, cls, spelling: dict[str, dict]) -> None:
+    """Add to ``parser`` (or an argument group) one flag per field of the dataclass ``cls``:
+    ``--<field-name-with-dashes>``, help ``metadata["help"]`` and the default, typed by the
+    annotation (``X | None`` as ``X``; a tuple takes one or more values; an optional field with a
+    default other than None also takes :data:`~trainer.config.OFF`). A flag not given is None,
+    so it overrides nothing. ``spelling[name]`` adds or replaces ``add_argument`` keywords of
+    a field's flag, and ``"flag"`` (its name) and ``"group"`` (where it goes)."""
+    hints = typing.get_type_hints(cls)
+    for field in dataclasses.fields(cls):
+        kind = hints[field.name]
+        args = [arg for arg in typing.get_args(kind) if arg is not type(None)]
+        optional = isinstance(kind, types.UnionType) and len(args) == 1
+        if optional:
+            kind = args[0]
+        if typing.get_origin(kind) is tuple:
+            options = {"type": typing.get_args(kind)[0], "nargs": "+", "action": "extend"}
+        else:
+            options = {"type": kind}
+        if optional and field.default is not None:
+            options["type"] = _or_off(options["type"])
+        shown = "" if field.default is None else f" (default: {_shown(field.default)})"
+        options |= {"dest": field.name, "default": None, "help": field.metadata["help"] + shown}
+        options |= spelling.get(field.name, {})
+        group = options.pop("group", parser)
+        group.add_argument(options.pop("flag", "--" + field.name.replace("_", "-")), **options)
+
+
+def _or_off(kind):
+    """An argparse type: ``kind``, or :data:`~trainer.config.OFF` as it is."""
+    def parse(text: str):
+        return OFF if text == OFF else kind(text)
+
+    parse.__name__ = f"{kind.__name__} or {OFF}"    # argparse's "invalid <name> value"
+    return parse
+
+
+def _shown(value) -> str:
+    """A default as a flag takes it (a run of consecutive integers as ``first..last``)."""
+    if not isinstance(value, tuple):
+        return str(value)
+    if len(value) > 2 and isinstance(value[0], int) and value == tuple(range(value[0], value[0] + len(value))):
+        return f"{value[0]}..{value[-1]}"
+    return " ".join(map(str, value))
 
 
 def build_train_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="feather-train", description=__doc__.splitlines()[0],
         epilog="Export a checkpoint: feather-train export CHECKPOINT -o policy.onnx (see feather-train export -h).")
-    defaults = TrainConfig()
     parser.add_argument("--config", type=Path, help="YAML (.yaml/.yml) or TOML (.toml) file of settings; flags override it")
-    parser.add_argument("--workload", dest="workloads", action="append", metavar="SPEC",
-                        help="workload of the training mix (repeat for a mix): a trace file, a shared-trace name or "
-                             "KIND[:key=value,...]; default: the built-in mix of the profile's device ("
-                             + "; ".join(f"{device}: {' '.join(mix.workloads)}" for device, mix in DEFAULT_MIXES.items()) + ")")
-    parser.add_argument("--kv-capacity-tokens", type=int, metavar="TOKENS",
-                        help="KV capacity of the simulated engine (default: the built-in mix's, else the profile's)")
-    parser.add_argument("--max-wait-steps", type=int, metavar="STEPS",
-                        help=f"the admission's waiting-time bound in engine steps (default {defaults.max_wait_steps}); "
-                             "serve with the same (additional_config feather.max_wait_steps)")
-    parser.add_argument("--profile", help="cost-model profile name or file; default: the shipped one for this hardware")
     budget = parser.add_mutually_exclusive_group()
-    budget.add_argument("--iterations", type=int, help="train for exactly N PPO iterations")
-    budget.add_argument("--time-budget", dest="time_budget_s", type=float, metavar="SECONDS",
-                        help="warm-start and train until another iteration would exceed this "
-                             f"(default {defaults.time_budget_s:.0f})")
-    parser.add_argument("--env-runners", dest="num_env_runners", type=int,
-                        help=f"RLlib env runner processes (default {defaults.num_env_runners})")
-    parser.add_argument("--seed", type=int, help=f"training seed (default {defaults.seed})")
-    parser.add_argument("--eval-fraction", type=float, metavar="F",
-                        help="share of a trace file's arrival span held out, at its end, for the final evaluation "
-                             f"(default {defaults.eval_fraction}; generated workloads are held out by seed)")
-    parser.add_argument("--output", dest="output_dir", type=Path, help="output folder (default runs/feather-<UTC time>)")
-    parser.add_argument("--resume", type=Path, metavar="RUN_DIR|CHECKPOINT",
-                        help="fine-tune from a previous run's folder (its checkpoint and settings) or an RLlib checkpoint")
-    parser.add_argument("--num-candidates", type=int, metavar="K",
-                        help=f"candidate slots of the action: 1 is ADD/STOP on the CHT's best candidate, K > 1 "
-                             f"chooses among its K best prefix groups or STOP (default {defaults.num_candidates})")
-    parser.add_argument("--warm-start", metavar="BASELINE",
-                        help=f"baseline cloned into the network before PPO, or none (default {defaults.warm_start})")
-    parser.add_argument("--improve-warm-start", type=min_gain, metavar="MIN_GAIN|off",
-                        help="clone one step of policy iteration on the warm-start baseline instead of the baseline: "
-                             "a decision takes the action of the best simulated playout (mean over sampled "
-                             "output-length futures) where it gains over MIN_GAIN (a share of the window's time) "
-                             f"on the baseline's; off clones the baseline as it is (default {defaults.improve_warm_start})")
-    parser.add_argument("--improve-actions", choices=IMPROVE_ACTIONS,
-                        help="what an improved label may take instead of the baseline's action: STOP only, or any "
-                             f"action (default {defaults.improve_actions})")
-    parser.add_argument("--dagger-rounds", type=int, metavar="N",
-                        help="rounds of DAgger after the warm start: the clone drives the demonstration episodes, "
-                             "its decisions are labelled as the warm start's, and it is fitted again to all of "
-                             f"them (default {defaults.dagger_rounds})")
-    parser.add_argument("--discount-half-life", dest="discount_half_life_s", type=float, metavar="SECONDS",
-                        help="semi-MDP discounting: a reward this many simulated seconds later counts half "
-                             "(default: undiscounted)")
-    parser.add_argument("--ray-address", help="train on an existing Ray cluster (e.g. auto, ray://host:10001); "
-                                              "default: start a local Ray")
+    add_dataclass_flags(parser, TrainConfig, {
+        "workloads": {"flag": "--workload", "action": "append", "nargs": None, "metavar": "SPEC"},
+        "kv_capacity_tokens": {"metavar": "TOKENS"},
+        "max_wait_steps": {"metavar": "STEPS"},
+        "iterations": {"group": budget, "metavar": "N"},
+        "time_budget_s": {"flag": "--time-budget", "group": budget, "metavar": "SECONDS"},
+        "num_env_runners": {"flag": "--env-runners", "metavar": "N"},
+        "output_dir": {"flag": "--output", "metavar": "DIR"},
+        "resume": {"metavar": "RUN_DIR|CHECKPOINT"},
+        "num_candidates": {"metavar": "K"},
+        "warm_start": {"metavar": "BASELINE"},
+        "improve_warm_start": {"metavar": "MIN_GAIN|off"},
+    })
     parser.add_argument("--json", action="store_true", help="print the run summary as one JSON object on the last line")
     return parser
 
@@ -115,18 +122,20 @@ def build_export_parser() -> argparse.ArgumentParser:
 
 #: Settings a resumed run does not take over from the run it continues: where and how long it runs.
 NOT_RESUMED = ("output_dir", "resume", "iterations", "time_budget_s", "ray_address", "warm_start",
-               "improve_warm_start", "improve_actions", "dagger_rounds")
+               "improve_warm_start")
 
 
 def resumed_run(resume: Path) -> tuple[Path, dict]:
     """(the checkpoint, the settings) ``--resume`` continues: a run folder's ``checkpoint/`` and its
-    ``summary.json`` settings less :data:`NOT_RESUMED`, or a checkpoint folder with no settings."""
+    ``summary.json`` settings less :data:`NOT_RESUMED`, or a checkpoint folder with no settings.
+    A setting this build no longer has (an older run's) is left out."""
     run = Path(resume)
     if not (run / "checkpoint").is_dir():
         return run, {}
     summary = run / "summary.json"
     settings = json.loads(summary.read_text())["config"] if summary.is_file() else {}
-    return run / "checkpoint", {key: value for key, value in settings.items() if key not in NOT_RESUMED}
+    known = {field.name for field in dataclasses.fields(TrainConfig)} - set(NOT_RESUMED)
+    return run / "checkpoint", {key: value for key, value in settings.items() if key in known}
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -146,8 +155,7 @@ def run_train(args: argparse.Namespace) -> int:
 
 
 def run_export(args: argparse.Namespace) -> int:
-    from trainer.export import export_policy_module, load_policy_network
-    from trainer.train import read_training_info
+    from trainer.export import export_policy_module, load_policy_network, read_training_info
 
     info = read_training_info(args.checkpoint) or {}      # ValueError: trained for another observation contract
     network = load_policy_network(args.checkpoint)

@@ -18,7 +18,7 @@ import dataclasses
 import tomllib
 import types
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -69,88 +69,84 @@ def profile_mix(profile: str) -> TrainingMix:
 
 @dataclass
 class TrainConfig:
-    """One training run. Every field can be set in a config file or by a flag of the same name.
+    """One training run. Every field is a setting: a key of a config file and a ``feather-train``
+    flag (:mod:`trainer.cli`), with its help text in the field's ``metadata["help"]``.
 
     Budget: training stops after ``iterations`` PPO iterations when given, otherwise when
     another iteration would overrun ``time_budget_s``: the wall time of the warm start (its
     playouts, with ``improve_warm_start``) and of ``algo.train()`` together, at least one
-    iteration. Ray start-up, evaluation and export come on top, about a minute here.
+    iteration. Ray start-up, evaluation and export come on top.
     """
 
-    workloads: tuple[str, ...] | None = None     # None: DEFAULT_MIXES of the profile's device
-    profile: str | None = None              # None: the shipped profile for this hardware
-    kv_capacity_tokens: int | None = None   # None: the built-in mix's (with default workloads), else the profile's
-    max_wait_steps: int = ENV_DEFAULTS["max_wait_steps"]   # the admission's waiting-time bound: deploy with the same
-    iterations: int | None = None
-    time_budget_s: float = 450.0
-    num_env_runners: int = 1                # 2 cores: one sampler process + the learner in the driver
-    envs_per_env_runner: int = 8            # vectorised: one batched forward pass per 8 env steps
-    seed: int = 0
-    output_dir: Path | None = None          # None: runs/feather-<UTC timestamp>
-    resume: Path | None = None              # an RLlib checkpoint directory of a previous run
-    ray_address: str | None = None          # None: start a local Ray
-    # Episodes: the env's defaults (whole traces, as the evaluation runs them, truncated after
-    # ``max_decisions``; see feather_gym.envs.batch_formation.DEFAULT_CONFIG). The wait penalty
-    # is off: on overloaded traces every policy's waits pass any bound and it swamps the signal.
-    window_requests: int = ENV_DEFAULTS["window_requests"]
-    max_decisions: int = ENV_DEFAULTS["max_decisions"]
-    wait_penalty: float = 0.0
-    # The policy a step's reward is measured against (the env's ``reward_baseline``): the return
-    # of an episode is 1 - makespan / this policy's makespan on the same window. "feather-rule"
-    # centres the clone's returns on 0 on every workload; measured against FCFS, it learned no more
-    # (README, "Measured here"), so FCFS stays.
-    reward_baseline: str = "fcfs"
-    # A terminated episode's negative return counts this many times (the env's ``loss_aversion``),
-    # so a gain on one workload no longer pays for a loss on another at par; 1: at par.
-    loss_aversion: float = 1.0
-    # Candidate slots of the action (feather_gym.observation): 1 is ADD/STOP on the CHT's best
-    # candidate; k > 1 chooses among the CHT's k best prefix groups, or STOP (Discrete(k + 1)).
-    num_candidates: int = 4
-    # Generated traces per workload spec in every training env (seeds training seed .. + n - 1);
-    # None: the built-in mix's (with default workloads), else 1.
-    workload_instances: int | None = None
-    # Warm start: the baseline distilled into the network before PPO (see trainer.warm_start);
-    # "none" starts PPO from a random network. Ignored when resuming.
-    warm_start: str = "feather-rule"
-    # Clone one step of policy iteration on the warm-start baseline instead of the baseline itself:
-    # a demonstrated decision is relabelled with the action whose simulated playouts (that action,
-    # then the baseline, on sampled output-length futures) return more on average than the
-    # baseline's action by over this gain (a share of the window's time;
-    # trainer.warm_start.improved_action). None: clone the baseline as it is. Like the warm start,
-    # ignored with warm_start none and when resuming.
-    improve_warm_start: float | None = 0.01
-    # The actions an improved label may take instead of the baseline's: "stop" (STOP only) or
-    # "any" (STOP or any filled candidate slot; 2.5x the playouts with k = 4). STOP by default:
-    # with "any" the slot relabels cost a significant loss held out (README, "Measured here").
-    improve_actions: str = "stop"
-    # Rounds of DAgger after the warm start's clone (trainer.warm_start.warm_start): the clone
-    # drives the demonstration episodes, its decisions get the warm start's labels, and it is
-    # fitted again to every round's. 0: the clone of the demonstrator's own episodes. Ignored
-    # with warm_start none and when resuming.
-    dagger_rounds: int = 0
-    # Label smoothing of the cloning loss: the clone keeps this much probability off the
-    # demonstrator's action, so PPO's sampled episodes still try the other actions.
-    clone_smoothing: float = 0.1
-    # PPO (small on purpose: 9 features, 2 actions, 2 cores).
-    hidden_sizes: tuple[int, ...] = (64, 64)
-    train_batch_size: int = 4000
-    minibatch_size: int = 1000
-    num_epochs: int = 5
-    lr: float = 3e-4
-    gamma: float = 1.0                      # undiscounted: the env's return ranks policies by throughput
-    # Semi-MDP discounting (trainer.semi_mdp): a reward this many simulated seconds later counts
-    # half, whatever the number of decisions between (needs gamma 1). None: undiscounted.
-    discount_half_life_s: float | None = None
-    gae_lambda: float = 1.0                 # Monte-Carlo advantages: with 0.95 the CPU-profile run drifted to STOP
-    entropy_coeff: float = 0.01
-    # Validation (keeps the best checkpoint) and final evaluation, on seeds disjoint from each
-    # other and from the training and warm-start seeds; trace files: the later eval_fraction of
-    # their arrival span is held out for the final evaluation. 30 seeds each: the CPU mix's traces
-    # are 32-64 requests, and with 5 or 10 the kept checkpoint's gains were often those seeds' own.
-    validation_seeds: tuple[int, ...] = tuple(range(20_001, 20_031))
-    validate_every: int = 10
-    eval_seeds: tuple[int, ...] = tuple(range(10_001, 10_031))
-    eval_fraction: float = DEFAULT_EVAL_FRACTION
+    workloads: tuple[str, ...] | None = field(default=None, metadata={"help": (
+        "workload of the training mix (repeat for a mix): a trace file, a shared-trace name or KIND[:key=value,...]; "
+        "default: the built-in mix of the profile's device ("
+        + "; ".join(f"{device}: {' '.join(mix.workloads)}" for device, mix in DEFAULT_MIXES.items()) + ")")})
+    profile: str | None = field(default=None, metadata={
+        "help": "cost-model profile name or file; default: the shipped one for this hardware"})
+    kv_capacity_tokens: int | None = field(default=None, metadata={
+        "help": "KV capacity of the simulated engine; default: the built-in mix's with the default workloads, "
+                "else the profile's"})
+    max_wait_steps: int = field(default=ENV_DEFAULTS["max_wait_steps"], metadata={
+        "help": "the admission's waiting-time bound in engine steps; serve with the same "
+                "(additional_config feather.max_wait_steps)"})
+    iterations: int | None = field(default=None, metadata={
+        "help": "train for exactly N PPO iterations instead of the time budget"})
+    time_budget_s: float = field(default=450.0, metadata={
+        "help": "warm-start and train until another iteration would exceed this many seconds"})
+    num_env_runners: int = field(default=1, metadata={
+        "help": "RLlib env runner processes sampling episodes (0: sample in the driver, where the learner runs)"})
+    envs_per_env_runner: int = field(default=8, metadata={
+        "help": "vectorised envs per env runner: one batched forward pass per this many env steps"})
+    seed: int = field(default=0, metadata={
+        "help": f"training seed: RLlib's, and the training envs' workloads (seed + {SEED_STRIDE} x env runner)"})
+    output_dir: Path | None = field(default=None, metadata={
+        "help": "output folder; default: runs/feather-<UTC time>"})
+    resume: Path | None = field(default=None, metadata={
+        "help": "fine-tune from a previous run's folder (its checkpoint and settings) or an RLlib checkpoint"})
+    ray_address: str | None = field(default=None, metadata={
+        "help": "train on an existing Ray cluster (e.g. auto, ray://host:10001); default: start a local Ray"})
+    # Episodes: the env's defaults (see feather_gym.envs.batch_formation.DEFAULT_CONFIG).
+    window_requests: int = field(default=ENV_DEFAULTS["window_requests"], metadata={
+        "help": "consecutive requests of a trace per episode (a shorter trace is one window)"})
+    max_decisions: int = field(default=ENV_DEFAULTS["max_decisions"], metadata={
+        "help": "decisions after which an episode is truncated (0: never)"})
+    num_candidates: int = field(default=4, metadata={
+        "help": "candidate slots of the action: 1 is ADD/STOP on the CHT's best candidate, K > 1 chooses among "
+                "its K best prefix groups or STOP"})
+    workload_instances: int | None = field(default=None, metadata={
+        "help": "generated traces of each workload spec in every training env (seeds seed .. seed + N - 1); "
+                "default: the built-in mix's with the default workloads, else 1"})
+    warm_start: str = field(default="feather-rule", metadata={
+        "help": "baseline cloned into the network before PPO (trainer.warm_start), or none for a random network; "
+                "ignored when resuming"})
+    improve_warm_start: float | None = field(default=0.01, metadata={
+        "help": "clone one step of policy iteration on the warm-start baseline instead of the baseline: a decision "
+                "takes STOP where its simulated playouts (mean over sampled output-length futures) gain over "
+                "MIN_GAIN (a share of the window's time) on the baseline's action; off clones the baseline as it is; "
+                "ignored with warm_start none and when resuming"})
+    clone_smoothing: float = field(default=0.1, metadata={
+        "help": "label smoothing of the cloning loss: the clone keeps this much probability off the "
+                "demonstrator's action, so PPO's sampled episodes still try the others"})
+    # PPO (small on purpose: a few dozen inputs, k + 1 actions, 2 cores).
+    hidden_sizes: tuple[int, ...] = field(default=(64, 64), metadata={
+        "help": "hidden layer widths of the policy and of the value network (tanh)"})
+    train_batch_size: int = field(default=4000, metadata={"help": "env steps per PPO iteration"})
+    minibatch_size: int = field(default=1000, metadata={"help": "env steps per PPO minibatch"})
+    num_epochs: int = field(default=5, metadata={"help": "PPO epochs over each iteration's batch"})
+    lr: float = field(default=3e-4, metadata={"help": "PPO learning rate"})
+    gamma: float = field(default=1.0, metadata={
+        "help": "discount per decision (1: undiscounted, so returns rank policies by throughput)"})
+    gae_lambda: float = field(default=1.0, metadata={"help": "GAE lambda (1: Monte-Carlo advantages)"})
+    entropy_coeff: float = field(default=0.01, metadata={"help": "PPO entropy bonus coefficient"})
+    validation_seeds: tuple[int, ...] = field(default=tuple(range(20_001, 20_031)), metadata={
+        "help": "workload seeds of the validation that keeps the best checkpoint (trace files: their training part)"})
+    validate_every: int = field(default=10, metadata={"help": "validate every N iterations, and after the last"})
+    eval_seeds: tuple[int, ...] = field(default=tuple(range(10_001, 10_031)), metadata={
+        "help": "workload seeds of the held-out final evaluation; every seed set of a run is disjoint from the others"})
+    eval_fraction: float = field(default=DEFAULT_EVAL_FRACTION, metadata={
+        "help": "share of a trace file's arrival span held out, at its end, for the final evaluation "
+                "(generated workloads are held out by seed)"})
 
     def resolved(self) -> "TrainConfig":
         """A copy with the hardware default profile, its device's built-in mix (when no workloads
@@ -202,38 +198,18 @@ class TrainConfig:
         if self.resume is not None:
             if not Path(self.resume).is_dir():
                 raise FileNotFoundError(f"resume: checkpoint directory {self.resume} does not exist")
-            from trainer.export import load_policy_network
-            from trainer.train import read_training_info
+            from trainer.export import load_policy_network, read_training_info
 
             read_training_info(self.resume)                      # another observation contract fails here,
             load_policy_network(self.resume)                     # and a corrupted checkpoint, before Ray
         if self.improve_warm_start is not None and not self.improve_warm_start >= 0:
             raise ValueError(f"improve_warm_start: the minimum gain must be >= 0, got {self.improve_warm_start}")
-        if self.discount_half_life_s is not None:
-            if not self.discount_half_life_s > 0:
-                raise ValueError(f"discount_half_life_s: must be > 0 seconds, got {self.discount_half_life_s}")
-            if self.gamma != 1.0:
-                raise ValueError(f"discount_half_life_s discounts by simulated time; with it gamma must be 1 "
-                                 f"(one discount), got gamma {self.gamma}")
-        if self.dagger_rounds < 0:
-            raise ValueError(f"dagger_rounds: must be >= 0, got {self.dagger_rounds}")
-        from trainer.warm_start import IMPROVE_ACTIONS
-
-        if self.improve_actions not in IMPROVE_ACTIONS:
-            raise ValueError(f"improve_actions: one of {', '.join(IMPROVE_ACTIONS)}, got {self.improve_actions!r}")
         if self.warm_start != "none":
             from feather_gym.policies import BASELINES
 
             if self.warm_start not in BASELINES:
                 raise ValueError(f"warm_start: {self.warm_start!r} is not a baseline; choose none or one of "
                                  f"{', '.join(BASELINES)}")
-        from feather_gym.policies import BASELINES
-
-        if self.reward_baseline not in BASELINES:
-            raise ValueError(f"reward_baseline: {self.reward_baseline!r} is not a baseline; choose one of "
-                             f"{', '.join(BASELINES)}")
-        if not self.loss_aversion >= 1:
-            raise ValueError(f"loss_aversion: must be >= 1 (1: losses and gains at par), got {self.loss_aversion}")
         if not self.eval_seeds or not self.validation_seeds:
             raise ValueError("eval_seeds and validation_seeds: at least one seed each is needed")
         sets = list(self.seed_sets().items())

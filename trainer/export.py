@@ -31,6 +31,7 @@ OUTPUT_NAME = "action_logits"
 PARITY_ATOL = 1e-4              # float32 MLP: torch vs onnxruntime differ by ~1e-7 in practice
 PARITY_RANDOM_ROWS = 256
 PARITY_REAL_ROWS = 512
+TRAINING_INFO_FILE = "feather_training.json"   # inside the checkpoint: what export needs to label the policy
 
 
 class PolicyLogits(torch.nn.Module):
@@ -92,6 +93,36 @@ def load_policy_network(checkpoint: str | Path) -> PolicyLogits:
     if not isinstance(rl_module, torch.nn.Module):
         raise ValueError(f"checkpoint {checkpoint} holds a {type(rl_module).__name__}, not a torch RLModule")
     return PolicyLogits(rl_module).eval()
+
+
+def write_training_info(checkpoint: Path, *, profile: str, workloads: Sequence[str], trained_at: datetime,
+                        max_wait_steps: int) -> None:
+    """Label the checkpoint with what its policy was trained on (read back by ``feather-train export``
+    and ``--resume``), its observation contract included."""
+    from feather_gym.observation import OBS_VERSION
+
+    info = {"profile": profile, "workloads": list(workloads), "trained_at": trained_at.isoformat(),
+            "obs_version": OBS_VERSION, "max_wait_steps": max_wait_steps}
+    (checkpoint / TRAINING_INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
+
+
+def read_training_info(checkpoint: Path) -> dict | None:
+    """The label written by :func:`write_training_info`, or None for a foreign checkpoint.
+
+    ``ValueError`` when the label says the network was trained on another observation contract
+    than this build's (a label without one predates ``feather-obs-4``): its inputs would mean
+    other things here, so it can be neither exported as this contract nor fine-tuned."""
+    from feather_gym.observation import OBS_VERSION
+
+    path = Path(checkpoint) / TRAINING_INFO_FILE
+    if not path.is_file():
+        return None
+    info = json.loads(path.read_text())
+    theirs = info.get("obs_version", "feather-obs-3 or earlier")
+    if theirs != OBS_VERSION:
+        raise ValueError(f"checkpoint {checkpoint} was trained for observation version {theirs!r}, this "
+                         f"feather-gym builds {OBS_VERSION!r}; retrain it (feather-train) for this version")
+    return info
 
 
 def onnx_metadata(*, profile: str, workload: str | Sequence[str], trained_at: datetime | None = None,

@@ -13,8 +13,6 @@ the learning curve and a JSON summary. Output folder layout::
     <output>/checkpoint/        best-validated RLlib checkpoint (+ feather_training.json: profile, workloads, date)
     <output>/policy.onnx        the exported policy (trainer.export contract)
     <output>/clone.onnx         the warm-start clone as PPO began, evaluated beside it (absent when resuming)
-    <output>/clone-round-<r>.onnx  with DAgger rounds: the clone after round r that drove round r + 1;
-                                   round 0 (the first clone) is evaluated beside it too
     <output>/learning_curve.png
     <output>/summary.json       config, history, warm start, validation, timings, export parity, evaluation
     <output>/tensorboard/       RLlib result metrics as TensorBoard events
@@ -38,15 +36,8 @@ from trainer.config import TrainConfig, training_env_seed
 from trainer.logs import IterationRecord, RunLog
 
 RLLIB_ENV_NAME = "feather-batch-formation"
-TRAINING_INFO_FILE = "feather_training.json"   # inside the checkpoint: what export needs to label the policy
 CLONE_FILE, CLONE_LABEL = "clone.onnx", "clone"   # the warm-start clone, evaluated beside the trained policy
 DEMONSTRATOR_LABEL = "demonstrator"   # the policy the warm start recorded (trainer.warm_start.demonstrator), likewise
-FIRST_CLONE_LABEL = "clone-round-0"   # with DAgger rounds: the clone before them, likewise
-
-
-def clone_round_file(round_: int) -> str:
-    """The file name of the clone after DAgger round ``round_`` (0: the first clone)."""
-    return f"clone-round-{round_}.onnx"
 
 
 def make_training_env(env_context):
@@ -86,26 +77,25 @@ def env_config(config: TrainConfig) -> dict:
     training part of each workload (:meth:`TrainConfig.training_workloads`)."""
     settings = {"workloads": list(config.training_workloads()), "profile": config.profile, "seed": config.seed,
                 "window_requests": config.window_requests, "max_decisions": config.max_decisions,
-                "wait_penalty": config.wait_penalty, "kv_capacity_tokens": config.kv_capacity_tokens,
+                "kv_capacity_tokens": config.kv_capacity_tokens,
                 "max_wait_steps": config.max_wait_steps,
-                "num_candidates": config.num_candidates, "workload_instances": config.workload_instances,
-                "reward_baseline": config.reward_baseline, "loss_aversion": config.loss_aversion}
+                "num_candidates": config.num_candidates, "workload_instances": config.workload_instances}
     return {key: value for key, value in settings.items() if value is not None}
 
 
-def build_algorithm(config: TrainConfig):
-    """The PPO ``Algorithm`` of ``config`` (Ray must be running)."""
+def ppo_config(config: TrainConfig):
+    """RLlib's ``PPOConfig`` of ``config`` (its ``build_algo()`` needs Ray running)."""
     from ray.rllib.algorithms.ppo import PPOConfig
     from ray.rllib.core.rl_module.default_model_config import DefaultModelConfig
     from ray.tune.registry import register_env
 
     register_env(RLLIB_ENV_NAME, make_training_env)
-    ppo = (
+    return (
         PPOConfig()
         .environment(RLLIB_ENV_NAME, env_config=env_config(config))
         .env_runners(num_env_runners=config.num_env_runners, num_envs_per_env_runner=config.envs_per_env_runner,
                      rollout_fragment_length="auto")
-        .learners(num_learners=0, **semi_mdp_learner(config.discount_half_life_s))
+        .learners(num_learners=0)
         .training(train_batch_size_per_learner=config.train_batch_size, minibatch_size=config.minibatch_size,
                   num_epochs=config.num_epochs, lr=config.lr, gamma=config.gamma, lambda_=config.gae_lambda,
                   entropy_coeff=config.entropy_coeff)
@@ -113,17 +103,6 @@ def build_algorithm(config: TrainConfig):
                                                    fcnet_activation="tanh", vf_share_layers=False))
         .debugging(seed=config.seed)
     )
-    return ppo.build_algo()
-
-
-def semi_mdp_learner(half_life_s: float | None) -> dict:
-    """The ``learners()`` settings of semi-MDP discounting with ``half_life_s`` (none for None:
-    RLlib's PPO learner and its constant-gamma GAE)."""
-    if half_life_s is None:
-        return {}
-    from trainer.semi_mdp_learner import HALF_LIFE_KEY, SemiMDPPPOLearner
-
-    return {"learner_class": SemiMDPPPOLearner, "learner_config_dict": {HALF_LIFE_KEY: half_life_s}}
 
 
 def restore(algo, checkpoint: Path) -> None:
@@ -287,39 +266,10 @@ def _progress_line(record: IterationRecord, left_s: float) -> str:
             f"elapsed {record.time_total_s:6.0f} s | left ~{left_s:5.0f} s")
 
 
-def write_training_info(checkpoint: Path, config: TrainConfig, trained_at: datetime) -> None:
-    """Label the checkpoint with what its policy was trained on (read back by ``feather-train export``
-    and ``--resume``), its observation contract included."""
-    from feather_gym.observation import OBS_VERSION
-
-    info = {"profile": config.profile, "workloads": list(config.workloads), "trained_at": trained_at.isoformat(),
-            "obs_version": OBS_VERSION, "max_wait_steps": config.max_wait_steps}
-    (checkpoint / TRAINING_INFO_FILE).write_text(json.dumps(info, indent=2) + "\n")
-
-
-def read_training_info(checkpoint: Path) -> dict | None:
-    """The label written by :func:`write_training_info`, or None for a foreign checkpoint.
-
-    ``ValueError`` when the label says the network was trained on another observation contract
-    than this build's (a label without one predates ``feather-obs-4``): its inputs would mean
-    other things here, so it can be neither exported as this contract nor fine-tuned."""
-    from feather_gym.observation import OBS_VERSION
-
-    path = Path(checkpoint) / TRAINING_INFO_FILE
-    if not path.is_file():
-        return None
-    info = json.loads(path.read_text())
-    theirs = info.get("obs_version", "feather-obs-3 or earlier")
-    if theirs != OBS_VERSION:
-        raise ValueError(f"checkpoint {checkpoint} was trained for observation version {theirs!r}, this "
-                         f"feather-gym builds {OBS_VERSION!r}; retrain it (feather-train) for this version")
-    return info
-
-
 def train(config: TrainConfig, *, progress: Callable[[str], None] = print) -> dict:
     """Run the whole job of the module docstring; returns the summary (also in summary.json)."""
     from trainer.evaluate import evaluate_policy, format_table
-    from trainer.export import export_policy_module, load_policy_network
+    from trainer.export import export_policy_module, load_policy_network, write_training_info
     from trainer.warm_start import demonstrator, warm_start
 
     config = config.resolved()
@@ -332,7 +282,7 @@ def train(config: TrainConfig, *, progress: Callable[[str], None] = print) -> di
 
     job_start = time.monotonic()
     with ray_session(config.ray_address), RunLog(out / "tensorboard") as run_log:
-        algo = build_algorithm(config)
+        algo = ppo_config(config).build_algo()
         try:
             warm = clone_path = None
             learning_start = time.monotonic()
@@ -341,17 +291,11 @@ def train(config: TrainConfig, *, progress: Callable[[str], None] = print) -> di
                 progress(f"resumed from {config.resume}")
             elif config.warm_start != "none":
                 warm = warm_start(algo, config.warm_start, env_config(config), smoothing=config.clone_smoothing,
-                                  min_gain=config.improve_warm_start, actions=config.improve_actions,
-                                  dagger_rounds=config.dagger_rounds, half_life_s=config.discount_half_life_s,
-                                  export=lambda round_: export_clone(algo, config, out / clone_round_file(round_)))
+                                  min_gain=config.improve_warm_start)
                 improved = (f" improved by playouts ({warm['relabelled']:,} labels changed, {warm['record_s']:.0f} s)"
                             if warm["min_gain"] is not None else "")
                 progress(f"warm start: cloned {warm['policy']}{improved} from {warm['decisions']:,} decisions "
                          f"(accuracy {warm['accuracy']:.3f}, ADD share {warm['add_fraction']:.3f})")
-                for dagger in warm["dagger"]:
-                    progress(f"DAgger round {dagger['round']}: the clone met {dagger['decisions']:,} decisions and "
-                             f"agreed with {dagger['agreement_before']:.3f} of their labels ({dagger['relabelled']:,} "
-                             f"improved, {dagger['record_s']:.0f} s); refitted to all, accuracy {dagger['accuracy']:.3f}")
                 clone_path = export_clone(algo, config, out / CLONE_FILE)
             checkpoint = out / "checkpoint"
             best = BestCheckpoint(algo, config, checkpoint)
@@ -362,7 +306,8 @@ def train(config: TrainConfig, *, progress: Callable[[str], None] = print) -> di
         finally:
             algo.stop()
     trained_at = datetime.now(timezone.utc)
-    write_training_info(checkpoint, config, trained_at)
+    write_training_info(checkpoint, profile=config.profile, workloads=config.workloads, trained_at=trained_at,
+                        max_wait_steps=config.max_wait_steps)
     run_log.plot_learning_curve(out / "learning_curve.png", title=f"Feather PPO ({config.profile})",
                                 validation=best.history)
 
@@ -373,21 +318,15 @@ def train(config: TrainConfig, *, progress: Callable[[str], None] = print) -> di
     progress(f"exported {policy_path} (max abs diff vs torch: random {parity['max_abs_diff_random']:.2g}, "
              f"real {parity['max_abs_diff_real']:.2g})")
     eval_start = time.monotonic()
-    references = {CLONE_LABEL: clone_path, DEMONSTRATOR_LABEL: demonstrator(config.warm_start)} if clone_path else {}
-    if warm and warm["dagger"]:
-        references[FIRST_CLONE_LABEL] = out / clone_round_file(0)
+    references = {CLONE_LABEL: clone_path, DEMONSTRATOR_LABEL: demonstrator(config.warm_start)} if clone_path else None
     evaluation = evaluate_policy(policy_path, workloads=config.evaluation_workloads(), profile=config.profile,
                                  seeds=config.eval_seeds, engine=config.engine(), references=references)
     progress(format_table(evaluation))
-    clone = demonstrated = first_clone = None
+    clone = demonstrated = None
     if clone_path:
         clone, demonstrated = beyond(evaluation, CLONE_LABEL), beyond(evaluation, DEMONSTRATOR_LABEL)
         for line in (_beyond_lines(clone, "its warm-start clone")
                      + _beyond_lines(demonstrated, f"the demonstrator ({config.warm_start} as recorded)")):
-            progress(line)
-    if FIRST_CLONE_LABEL in references:
-        first_clone = beyond(evaluation, FIRST_CLONE_LABEL)
-        for line in _beyond_lines(first_clone, "the first clone, before DAgger"):
             progress(line)
     summary = {
         "config": config.to_json(),
@@ -408,7 +347,6 @@ def train(config: TrainConfig, *, progress: Callable[[str], None] = print) -> di
         "evaluation": evaluation,
         "beyond_clone": clone,
         "beyond_demonstrator": demonstrated,
-        "beyond_first_clone": first_clone,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary

@@ -2,50 +2,34 @@
 
 Why: the Feather gain needs *consistent* STOPs (a group kept out for a batch's whole life). From
 a random or always-ADD start, PPO explores single STOPs, each of which only delays one request,
-so the gradient points back to always-ADD and training settles there (measured: the policy
-trained from scratch matched always-ADD, 1.07x FCFS on the 5-group workload, where the Feather
-rule reaches 1.14x). Starting PPO from the Feather rule puts it where consistent STOPs happen,
-and PPO then improves on it (on the cpu profile it learns to hold groups out more: 1.157x FCFS
-on prefix-groups against the clone's 1.097x and the rule's 1.072x, 10 held-out seeds).
+so the gradient points back to always-ADD and training settles there. Starting PPO from the
+Feather rule puts it where consistent STOPs happen, so what PPO learns starts from the rule.
 
 What is cloned must be a function of the observation. The Feather rule's one piece of history,
 its floor (it grows by one every few steps in which the rule refused, up to ``max_floor``), is not
 observable, and a clone of the rule with its floor still growing mixes contradicting labels (ADD
 and STOP for the same features) and errs in closed loop. So the rule is recorded in its steady
-state, floor at ``max_floor`` from the start: stateless, and within about 1% of the rule's
-throughput on the default mix (measured on 3 held-out seeds: cpu identical, rtx6000-ada 1.280x
-vs 1.293x FCFS on the 5-group workload and 1.0055x vs 1.0046x on prefix-groups).
+state, floor at ``max_floor`` from the start: stateless, and otherwise the rule.
 
 How: run the heuristic in the training env (same workloads, profile and episode settings as
-PPO), record observations, the heuristic's actions and the return-to-go of every decision
-(discounted as PPO's, ``TrainConfig.discount_half_life_s``; undiscounted by default), then fit
-the module's policy head by cross-entropy (behaviour cloning) and its value head by mean squared
-error to those returns, so PPO's first advantages are already meaningful.
+PPO), record observations, the heuristic's actions and the undiscounted return-to-go of every
+decision, then fit the module's policy head by cross-entropy (behaviour cloning) and its value
+head by mean squared error to those returns, so PPO's first advantages are already meaningful.
 
 With a minimum gain ``g`` (``TrainConfig.improve_warm_start``) the labels are one step of policy
-iteration on the heuristic, computed in the simulator: at each of the heuristic's decisions
-every distinct action (STOP and each filled candidate slot) is tried on forks of the env
-(:meth:`~feather_gym.envs.batch_formation.BatchFormationEnv.fork`) and followed by the heuristic
-to the episode's end (:func:`playout_return`), and the decision is labelled with the action of
-the highest mean return where that beats the heuristic's own action's by more than ``g``
-(:func:`improved_action`). The mean is over :data:`~feather_gym.policies.DEFAULT_PLAYOUT_SAMPLES`
-futures whose output lengths are drawn from the trace's distribution given what each request has
-emitted, not the true ones: labels played out on the true lengths are clairvoyant (the
-observation cannot tell them) and their clones did not carry to held-out seeds, while clones of
-the sampled ones do on no-sharing (README, "Measured here"). The threshold keeps the labels the
-network can learn from its observation. The episodes follow the heuristic, so the states are the
-heuristic's; the improved labels need more demonstrations and epochs (:data:`IMPROVED`) than the
-heuristic's own. ``actions`` (``TrainConfig.improve_actions``) limits the alternatives tried to
-STOP (``"stop"``, the default: two playouts per future and decision) or allows every filled slot
-(``"any"``); a decision with nothing to try keeps the heuristic's label unplayed. The episodes are
-independent, so they are recorded in one spawned process per core.
-
-A clone of the demonstrator's episodes has seen only the demonstrator's states; where it errs it
-drifts into states the labels never covered, and errs more there. ``dagger_rounds``
-(``TrainConfig.dagger_rounds``) adds rounds of DAgger (Ross, Gordon and Bagnell, 2011): the
-clone drives the episodes of the same seeds (exported to ONNX for the recording processes), each
-decision it meets gets the label the demonstrator's would (the demonstrator's action there, or its
-playout improvement), and the network is fitted again to every round's demonstrations pooled.
+iteration on the heuristic towards STOP, computed in the simulator: at each decision where the
+heuristic admits, STOP and the heuristic's own action are tried on forks of the env
+(:meth:`~feather_gym.envs.batch_formation.BatchFormationEnv.fork`), each followed by the heuristic
+to the episode's end (:func:`playout_return`), and the decision is labelled STOP where STOP's mean
+return beats the heuristic's action's by more than ``g`` (:func:`improved_action`); a decision
+where the heuristic stops keeps its label unplayed. The mean is over
+:data:`~feather_gym.policies.DEFAULT_PLAYOUT_SAMPLES` futures whose output lengths are drawn from
+the trace's distribution given what each request has emitted, not the true ones, which the
+observation cannot tell (labels played out on them would be clairvoyant). The threshold keeps the
+labels the network can learn from its observation. The episodes follow the heuristic, so the
+states are the heuristic's; the improved labels need more demonstrations and epochs
+(:data:`IMPROVED`) than the heuristic's own. The episodes are independent, so they are recorded
+in one spawned process per core.
 
 The cross-entropy is label-smoothed (``TrainConfig.clone_smoothing``, 0.1 by default): a clone
 fitted to one-hot labels puts all probability on the demonstrator's action, the rule admits only
@@ -58,15 +42,12 @@ from __future__ import annotations
 import copy
 import os
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
-from feather_gym.envs.batch_formation import ELAPSED_INFO
+from feather_gym.observation import STOP
 from feather_gym.policies import DEFAULT_PLAYOUT_SAMPLES, playout_futures
-from trainer.semi_mdp import discounted_returns, step_discounts
 
 #: Demonstrations: workload seeds recorded per workload of the mix (from ``DEMO_SEED_BASE``,
 #: disjoint from every other seed set) and cloning epochs. The rule's labels fit exactly at
@@ -121,78 +102,55 @@ def playout_return(env, policy, action: int, output_len: np.ndarray | None = Non
     return total
 
 
-#: The actions an improved label may take instead of the demonstrator's (``TrainConfig.improve_actions``):
-#: ``"stop"``, STOP only (two playouts per future and decision); ``"any"``, STOP or any filled slot.
-IMPROVE_ACTIONS = ("stop", "any")
-
-
 def improved_action(env, policy, action: int, min_gain: float, *,
-                    samples: int | None = DEFAULT_PLAYOUT_SAMPLES, actions: str = "any") -> int:
-    """The action of the highest mean :func:`playout_return` at ``env``'s pending decision among
-    the alternatives ``actions`` allows (:data:`IMPROVE_ACTIONS`) where it beats ``action``'s (the
-    policy's own) by more than ``min_gain``, else ``action``. The mean is over ``samples``
-    output-length futures (:func:`~feather_gym.policies.playout_futures`, the same for every
-    action); ``samples=None`` plays the true output lengths out once (clairvoyant)."""
-    if actions not in IMPROVE_ACTIONS:
-        raise ValueError(f"actions: one of {IMPROVE_ACTIONS}, got {actions!r}")
-    point = env.admission_point
-    tried = point.distinct_actions if actions == "any" else sorted({action, 0})
-    if len(tried) == 1:
+                    samples: int | None = DEFAULT_PLAYOUT_SAMPLES) -> int:
+    """STOP where its mean :func:`playout_return` at ``env``'s pending decision beats ``action``'s
+    (the policy's own) by more than ``min_gain``, else ``action``. The mean is over ``samples``
+    output-length futures (:func:`~feather_gym.policies.playout_futures`, the same for both
+    actions); ``samples=None`` plays the true output lengths out once (clairvoyant)."""
+    if action == STOP:
         return action
-    futures = playout_futures(point.sim, samples)
-    returns = {a: np.mean([playout_return(env, policy, a, future) for future in futures]) for a in tried}
-    best = max(returns, key=returns.get)
-    return best if returns[best] > returns.get(action, -np.inf) + min_gain else action
+    futures = playout_futures(env.admission_point.sim, samples)
+    stop, own = (np.mean([playout_return(env, policy, a, future) for future in futures]) for a in (STOP, action))
+    return STOP if stop > own + min_gain else action
 
 
 def record_episode(policy_name: str, env_config: dict, workload: str, seed: int,
-                   min_gain: float | None = None, actions: str = "any", driver: str | None = None,
-                   half_life_s: float | None = None) -> Demonstrations:
-    """One episode on ``workload`` at workload seed ``seed`` in the env of ``env_config``, each
-    decision labelled with :func:`demonstrator` of ``policy_name``'s action there, or with
-    ``min_gain`` with its :func:`improved_action` (among ``actions``). The demonstrator takes the
-    actions, or ``driver`` (a policy name or ``*.onnx`` file for
-    :func:`~feather_gym.policies.make_policy`) does: its states, the demonstrator's labels
-    (DAgger). ``returns`` are then the driver's, discounted by simulated time with ``half_life_s``
-    (:mod:`trainer.semi_mdp`; None: undiscounted), as PPO's value targets. Deterministic."""
+                   min_gain: float | None = None) -> Demonstrations:
+    """One episode of :func:`demonstrator` of ``policy_name`` on ``workload`` at workload seed
+    ``seed`` in the env of ``env_config``; with ``min_gain``, each decision labelled with
+    :func:`improved_action` instead of the demonstrator's action. Deterministic."""
     import gymnasium as gym
 
     from feather_gym.envs import ENV_ID
-    from feather_gym.policies import make_policy
 
     policy = demonstrator(policy_name)
-    acting = make_policy(driver) if driver else None
     env = gym.make(ENV_ID, **{**env_config, "workloads": [workload], "seed": seed, "workload_instances": 1})
     obs, _ = env.reset()
     policy.reset()
-    obs_rows, labels, rewards, elapsed_s = [], [], [], []
+    obs_rows, labels, rewards = [], [], []
     relabelled, done = 0, False
     while not done:
-        point = env.unwrapped.admission_point
-        action = policy.decide(point)
-        label = action if min_gain is None else improved_action(env.unwrapped, policy, action, min_gain,
-                                                                    actions=actions)
+        action = policy.decide(env.unwrapped.admission_point)
+        label = action if min_gain is None else improved_action(env.unwrapped, policy, action, min_gain)
         relabelled += label != action
         obs_rows.append(obs)
         labels.append(label)
-        obs, reward, terminated, truncated, info = env.step(acting.decide(point) if acting else action)
+        obs, reward, terminated, truncated, _ = env.step(action)
         rewards.append(reward)
-        elapsed_s.append(info[ELAPSED_INFO])
         done = terminated or truncated
     env.close()
     return Demonstrations(np.asarray(obs_rows, dtype=np.float32), np.asarray(labels, dtype=np.int64),
-                          discounted_returns(rewards, step_discounts(elapsed_s, half_life_s)).astype(np.float32),
-                          relabelled)
+                          np.cumsum(rewards[::-1])[::-1].astype(np.float32), relabelled)
 
 
-def record_demonstrations(policy_name: str, env_config: dict, *, seeds: range, min_gain: float | None = None,
-                          actions: str = "any", driver: str | None = None, workers: int = 1,
-                          half_life_s: float | None = None) -> Demonstrations:
+def record_demonstrations(policy_name: str, env_config: dict, *, seeds: range,
+                          min_gain: float | None = None, workers: int = 1) -> Demonstrations:
     """:func:`record_episode` for every workload of ``env_config`` at each workload seed of
     ``seeds``, concatenated in that order (workload-major). ``workers > 1`` records the episodes
     in that many spawned processes (playouts are the costly part of an improved warm start);
     the result is the same for any ``workers``."""
-    tasks = [(policy_name, env_config, workload, seed, min_gain, actions, driver, half_life_s)
+    tasks = [(policy_name, env_config, workload, seed, min_gain)
              for workload in env_config["workloads"] for seed in seeds]
     if workers > 1:
         import multiprocessing
@@ -203,13 +161,10 @@ def record_demonstrations(policy_name: str, env_config: dict, *, seeds: range, m
             episodes = list(pool.map(record_episode, *zip(*tasks)))
     else:
         episodes = [record_episode(*task) for task in tasks]
-    return concatenate(episodes)
-
-
-def concatenate(parts: list[Demonstrations]) -> Demonstrations:
-    """The demonstrations of ``parts`` in order, as one."""
-    return Demonstrations(np.concatenate([part.obs for part in parts]), np.concatenate([part.actions for part in parts]),
-                          np.concatenate([part.returns for part in parts]), sum(part.relabelled for part in parts))
+    return Demonstrations(np.concatenate([episode.obs for episode in episodes]),
+                          np.concatenate([episode.actions for episode in episodes]),
+                          np.concatenate([episode.returns for episode in episodes]),
+                          sum(episode.relabelled for episode in episodes))
 
 
 def clone_into(module, demos: Demonstrations, *, epochs: int = 30, batch_size: int = 512, lr: float = 3e-3,
@@ -236,67 +191,31 @@ def clone_into(module, demos: Demonstrations, *, epochs: int = 30, batch_size: i
             (policy_loss + value_loss).backward()   # separate encoders (vf_share_layers=False): no interference
             optimizer.step()
     with torch.no_grad():
+        logits = module.forward_train({Columns.OBS: obs})[Columns.ACTION_DIST_INPUTS]
         values = module.compute_values({Columns.OBS: obs})
-    return {"accuracy": label_accuracy(module, demos), "value_rmse": float(torch.sqrt(torch.mean((values - returns) ** 2)))}
-
-
-def label_accuracy(module, demos: Demonstrations) -> float:
-    """Share of ``demos``' decisions on which ``module``'s greedy action is the label."""
-    import torch
-    from ray.rllib.core.columns import Columns
-
-    with torch.no_grad():
-        logits = module.forward_train({Columns.OBS: torch.from_numpy(demos.obs)})[Columns.ACTION_DIST_INPUTS]
-    return float((logits.argmax(-1) == torch.from_numpy(demos.actions)).float().mean())
+    return {"accuracy": float((logits.argmax(-1) == actions).float().mean()),
+            "value_rmse": float(torch.sqrt(torch.mean((values - returns) ** 2)))}
 
 
 def warm_start(algo, policy_name: str, env_config: dict, *, smoothing: float = 0.0,
-               min_gain: float | None = None, actions: str = "any", dagger_rounds: int = 0,
-               export: Callable[[int], Path] | None = None, half_life_s: float | None = None) -> dict:
-    """Record ``policy_name`` in the env (with ``min_gain``, its playout-improved labels among
-    ``actions``), clone it into every learner's module, and push the weights to the env runners.
-
-    Then ``dagger_rounds`` rounds of DAgger: the clone, written by ``export`` (``export(r)``
-    writes the learner's network as fitted after round ``r`` to an ONNX file and returns its
-    path; round 0 is the first clone), drives the episodes of the same seeds, every
-    decision it meets is labelled as the first ones were (the demonstrator's action, or its
-    improvement), the rounds' demonstrations are pooled, and the network is fitted to them again.
-    A clone errs where the demonstrator never went; its own states teach it there. The value head
-    is fitted to returns discounted with ``half_life_s`` (:mod:`trainer.semi_mdp`), as PPO's value
-    targets; the labels always compare undiscounted playout returns (throughput). Returns a
-    report for the run summary (``dagger``: per round, how often the network agreed with the
-    labels on its own states before the refit)."""
+               min_gain: float | None = None) -> dict:
+    """Record ``policy_name`` in the env (with ``min_gain``, its playout-improved labels), clone it into every learner's module, and push the weights to the env runners.
+    Returns a report for the run summary."""
     from ray.rllib.core import DEFAULT_MODULE_ID
 
+    start = time.monotonic()
     improve = min_gain is not None
-    if dagger_rounds and export is None:
-        raise ValueError("dagger_rounds needs export, to hand the network to the episode workers")
     # Playouts on every core (the env runners idle until PPO starts); plain recording is cheaper in-process.
     workers = len(os.sched_getaffinity(0)) if improve else 1
-    seeds = demonstration_seeds(improve)
+    demos = record_demonstrations(policy_name, env_config, seeds=demonstration_seeds(improve), min_gain=min_gain,
+                                  workers=workers)
+    record_s = time.monotonic() - start
     _, epochs = IMPROVED if improve else PLAIN
-
-    def record(driver: str | None) -> tuple[Demonstrations, float]:
-        start = time.monotonic()
-        demos = record_demonstrations(policy_name, env_config, seeds=seeds, min_gain=min_gain, actions=actions,
-                                      driver=driver, workers=workers, half_life_s=half_life_s)
-        return demos, time.monotonic() - start
-
-    def on_learner(function):
-        calls = algo.learner_group.foreach_learner(lambda learner: function(learner.module[DEFAULT_MODULE_ID]))
-        return next(iter(calls)).get()     # RemoteCallResults; raises the learner's error, if any
-
-    demos, record_s = record(None)
-    fit = on_learner(lambda module: clone_into(module, demos, epochs=epochs, smoothing=smoothing))
-    report = {"policy": policy_name, "min_gain": min_gain, "actions": actions if improve else None,
-              "decisions": len(demos.actions), "relabelled": demos.relabelled, "record_s": record_s,
-              "record_workers": workers, "add_fraction": demos.add_fraction, **fit, "dagger": []}
-    for round_ in range(1, dagger_rounds + 1):
-        visited, record_s = record(str(export(round_ - 1)))
-        agreement = on_learner(lambda module: label_accuracy(module, visited))
-        demos = concatenate([demos, visited])
-        fit = on_learner(lambda module: clone_into(module, demos, epochs=epochs, smoothing=smoothing))
-        report["dagger"].append({"round": round_, "decisions": len(visited.actions), "relabelled": visited.relabelled,
-                                 "record_s": record_s, "agreement_before": agreement, **fit})
+    calls = algo.learner_group.foreach_learner(lambda learner: clone_into(learner.module[DEFAULT_MODULE_ID], demos,
+                                                                              epochs=epochs, smoothing=smoothing))
+    fit = next(iter(calls)).get()     # RemoteCallResults; raises the learner's error, if any
     algo.env_runner_group.sync_weights(from_worker_or_learner_group=algo.learner_group, inference_only=True)
-    return report
+    return {"policy": policy_name, "min_gain": min_gain,
+            "decisions": len(demos.actions),
+            "relabelled": demos.relabelled, "record_s": record_s, "record_workers": workers,
+            "add_fraction": demos.add_fraction, **fit}

@@ -21,33 +21,25 @@ from traces.workload import is_generated
 #: trace of N requests offers about ``4 N / window_requests`` distinct windows, each built once.
 WINDOW_STARTS_PER_WINDOW = 4
 
-#: The info key of every step: the simulated seconds from the decision to the next one (or to the
-#: episode's end), the span its reward covers; zero between admissions of one engine step.
-#: Semi-MDP discounting (:mod:`trainer.semi_mdp`) discounts by it.
-ELAPSED_INFO = "elapsed_s"
-
 #: Defaults: whole traces (the generators make at most 1000 requests), because batch formation
-#: pays off only over many batches: on 64-request windows the Feather rule loses to always-ADD
-#: (0.93x on rtx6000-ada, 5 groups) where on the whole trace it wins (1.04x), so short windows
-#: reward the wrong policy. ``max_decisions`` bounds the episodes of STOP-heavy policies, far
-#: above a sane policy's (about 1,000-1,500 decisions per 1,000 requests): a truncated episode
-#: never shows the cost of starving a group (its late drain), so truncating early teaches starving.
+#: pays off only over many batches: a short window charges a group held out its delay but ends
+#: before the batches that repay it, so short windows reward the wrong policy. ``max_decisions``
+#: bounds the episodes of STOP-heavy policies (one that stops is asked again every engine step),
+#: far above the decisions of a policy that mostly admits (about one per request): a truncated
+#: episode never shows the cost of starving a group (its late drain), so truncating early teaches
+#: starving.
 DEFAULT_CONFIG = {
     "workloads": ("prefix-groups",),
     "profile": None,          # None: hardware_profile(), the shipped profile of this machine
     "seed": 0,
     "window_requests": 1000,
     "max_decisions": 25_000,
-    "wait_bound_s": 10.0,
-    "wait_penalty": 1.0,
     "token_budget": None,
     "max_num_seqs": EngineConfig.max_num_seqs,
     "max_wait_steps": EngineConfig.max_wait_steps,
     "kv_capacity_tokens": None,   # None: the profile's
     "num_candidates": DEFAULT_NUM_CANDIDATES,   # k: 1 is ADD/STOP on the CHT's best candidate
     "workload_instances": 1,  # generated traces per workload spec, seeds seed .. seed + n - 1
-    "reward_baseline": "fcfs",   # the policy whose throughput on the window a step must beat
-    "loss_aversion": 1.0,     # a terminated episode's negative return counts this many times
 }
 
 
@@ -70,11 +62,10 @@ class WorkloadSet:
 
 
 @functools.lru_cache(maxsize=4)
-def workload_set(specs: tuple[str, ...], seed: int, instances: int, engine: EngineConfig, profile: str,
-                 reward_baseline: str) -> WorkloadSet:
-    """The shared :class:`WorkloadSet` of a configuration. ``profile`` and ``reward_baseline``
-    are part of the key because the windows' baseline runs depend on them (a profile file is
-    assumed not to change while the process runs)."""
+def workload_set(specs: tuple[str, ...], seed: int, instances: int, engine: EngineConfig, profile: str) -> WorkloadSet:
+    """The shared :class:`WorkloadSet` of a configuration. ``profile`` is part of the key because
+    the windows' baseline runs depend on it (a profile file is assumed not to change while the
+    process runs)."""
     built = [traces.resolve_workload(spec, seed=seed + i) for spec in specs for i in range(instances_of(spec, instances))]
     return WorkloadSet(built, [trace_digests(trace, engine.block_size) for trace in built])
 
@@ -88,9 +79,9 @@ class BatchFormationEnv(gym.Env):
     point of an engine step the Chunked Hash Tree proposes up to ``k = num_candidates``
     candidates, the best waiting request (fewest chunks missing from the running batch) of each
     of its ``k`` best prefix groups (``ChunkedHashTree.top_candidates``; slot 0 is its overall
-    best), and the agent admits one of them or stops. With ``k = 1`` (the default) that is ADD
-    or STOP on the best candidate. The engine admits into an empty batch without asking, so an
-    episode always progresses.
+    best), and the agent admits one of them or stops. With ``k = 1`` (the env's default;
+    ``feather-train`` trains ``k = 4``) that is ADD or STOP on the best candidate. The engine
+    admits into an empty batch without asking, so an episode always progresses.
 
     ## Action Space
     ``Discrete(k + 1)``:
@@ -127,27 +118,20 @@ class BatchFormationEnv(gym.Env):
     | 8   | oldest_wait_steps            | engine steps the earliest-arrived waiting one waited | 64    |
 
     ## Rewards
-    Per step, in units of the window's total output tokens ``T``::
+    Every step: ``r = (tokens - b * elapsed_s) / T``, measured against FCFS on the same window:
 
-        r = (tokens emitted - b * elapsed_s - wait_penalty * excess_wait_s * b) / T
+    | Term        | Meaning                                                                        |
+    |-------------|--------------------------------------------------------------------------------|
+    | tokens      | output tokens emitted from the decision to the next one (or the episode's end)  |
+    | elapsed_s   | simulated seconds of that span (zero between admissions of one engine step; the |
+    |             | first step also covers the run-up to the first decision)                       |
+    | b           | FCFS's throughput on the window, output tokens/s (one simulation per window)   |
+    | T           | the window's total output tokens                                               |
 
-    ``b`` is the throughput the ``reward_baseline`` policy (FCFS by default) reaches on the
-    same window (one simulation per window, cached), and ``excess_wait_s`` is the time
-    admissions waited beyond ``wait_bound_s``. Every request finishes within a terminated
-    episode, so without the wait term the return is ``1 - makespan / baseline_makespan``: the
-    share of the baseline's time the policy saves, positive exactly when it beats the baseline;
-    returns rank policies as their end-to-end throughput on the window does, and stay of order
-    1 on windows of any size (value functions learn them at ordinary learning rates). The reward
-    is in simulated time, step by step (a step that takes longer costs more), and every step's
-    info holds the simulated seconds it covers (``elapsed_s``, zero between the admissions of
-    one engine step), by which a trainer can discount (semi-MDP, :mod:`trainer.semi_mdp`).
-
-    ``loss_aversion`` ``a >= 1`` makes losses cost more than gains: the last step of a terminated
-    episode whose return ``R`` is negative also pays ``(a - 1) R``, so the return is ``R`` when
-    the policy beats the baseline on the window and ``a R`` when it loses. A sum of returns over
-    a mix then no longer lets a gain on one workload pay for a loss on another at par (with
-    ``reward_baseline: feather-rule``, a loss is a window where the policy is slower than the
-    rule). A truncated episode has no return yet and pays nothing extra.
+    A terminated episode has emitted ``T`` tokens in its makespan, so its return is
+    ``1 - makespan / fcfs_makespan``: the share of FCFS's time the policy saves, positive exactly
+    when it is faster than FCFS on the window. Returns rank policies as their end-to-end
+    throughput on the window does, and stay of order 1 on windows of any size.
 
     ## Starting State
     A window of ``window_requests`` consecutive requests of one of the traces (``workload_instances``
@@ -158,23 +142,29 @@ class BatchFormationEnv(gym.Env):
     with no decision at all are redrawn.
 
     ## Episode End
-    Terminated when every request of the window has finished (the final observation is all
-    zeros); a policy that always STOPs still drains the batch, and an empty batch admits
-    without asking. Truncated after ``max_decisions`` decisions when that is positive (a
-    STOP-heavy policy asks about the same candidate every engine step, so early in training
-    whole-trace episodes can run to tens of thousands of decisions).
+
+    | End        | When                                                                         |
+    |------------|------------------------------------------------------------------------------|
+    | terminated | every request of the window has finished (or was rejected as too long for    |
+    |            | the KV cache); the final observation is all zeros and the info holds         |
+    |            | ``workload``, ``throughput_tok_s``, ``baseline_throughput_tok_s`` (FCFS's),  |
+    |            | ``makespan_s`` and ``decisions``                                             |
+    | truncated  | ``max_decisions`` decisions were taken, when that is positive                |
+
+    A policy that always STOPs still terminates: the running batch drains, and an empty batch
+    admits without asking. The truncation bounds the episodes of STOP-heavy policies, which are
+    asked about the same candidate every engine step.
 
     ## Arguments
     ``gym.make("feather_gym/BatchFormation-v0", **config)`` or ``BatchFormationEnv(env_config)``
     (RLlib style); keys (defaults in ``DEFAULT_CONFIG``): ``workloads`` (workload specs for
     ``traces.resolve_workload``), ``profile`` (cost model name or file; None: ``hardware_profile()``), ``seed`` (workload
     generation, and the episode stream unless ``reset(seed=...)``), ``window_requests``,
-    ``max_decisions`` (0: no limit), ``wait_bound_s``, ``wait_penalty``, ``token_budget`` (None: the
+    ``max_decisions`` (0: no limit), ``token_budget`` (None: the
     profile's), ``max_num_seqs``, ``max_wait_steps`` (the admission's waiting-time bound in engine steps, as deployed),
     ``kv_capacity_tokens`` (None: the profile's), ``num_candidates`` (``k``, >= 1),
     ``workload_instances`` (traces of each generator spec, seeds ``seed .. seed + n - 1``; a trace
-    file is one trace), ``reward_baseline`` (a baseline name of :data:`feather_gym.policies.BASELINES`),
-    ``loss_aversion`` (>= 1; 1: gains and losses at par).
+    file is one trace).
     """
 
     metadata = {"render_modes": []}
@@ -191,8 +181,6 @@ class BatchFormationEnv(gym.Env):
             raise ValueError(f"window_requests must be >= 2, got {config['window_requests']}")
         if config["max_decisions"] < 0:
             raise ValueError(f"max_decisions must be >= 0 (0: no limit), got {config['max_decisions']}")
-        if not config["loss_aversion"] >= 1:
-            raise ValueError(f"loss_aversion must be >= 1 (1: losses and gains at par), got {config['loss_aversion']}")
         self.config = config
         self.num_candidates = k = check_num_candidates(config["num_candidates"])
         profile = config["profile"] or hardware_profile()
@@ -202,8 +190,7 @@ class BatchFormationEnv(gym.Env):
                                    kv_capacity_tokens=config["kv_capacity_tokens"]).resolve(self.cost_model)
         if config["workload_instances"] < 1:
             raise ValueError(f"workload_instances must be >= 1, got {config['workload_instances']}")
-        shared = workload_set(tuple(workloads), config["seed"], config["workload_instances"], self.engine,
-                              profile, config["reward_baseline"])
+        shared = workload_set(tuple(workloads), config["seed"], config["workload_instances"], self.engine, profile)
         self.workloads, self._digests, self._windows = shared.traces, shared.digests, shared.windows
         self.observation_space = gym.spaces.Box(0.0, OBS_CLIP, (observation_size(k),), np.float32)
         self.action_space = gym.spaces.Discrete(k + 1)
@@ -232,14 +219,12 @@ class BatchFormationEnv(gym.Env):
             raise RuntimeError("step() before reset() or after the episode ended")
         sim.apply(int(action))
         self._point = sim.next_admission()
-        reward, elapsed_s = self._reward()
-        self._return += reward
+        reward = self._reward()
         if self._point is None:
-            reward += (self.config["loss_aversion"] - 1) * min(self._return, 0.0)
-            return self._terminal_obs, reward, True, False, {ELAPSED_INFO: elapsed_s, **self._final_info()}
+            return self._terminal_obs, reward, True, False, self._final_info()
         limit = self.config["max_decisions"]
         truncated = 0 < limit <= sim.num_decisions
-        return self._point.observation, reward, False, truncated, {ELAPSED_INFO: elapsed_s}
+        return self._point.observation, reward, False, truncated, {}
 
     def fork(self, output_len: np.ndarray | None = None) -> "BatchFormationEnv":
         """An independent copy of this env mid-episode: the same pending decision, simulator state
@@ -272,8 +257,7 @@ class BatchFormationEnv(gym.Env):
         window, digests, self._baseline, self._reward_scale = self._window(w, start, size)
         self._sim = Simulator(window, self.cost_model, CHTOrder(), config=self.engine, digests=digests,
                               num_candidates=self.num_candidates)
-        self._rewarded = (0, self._sim.now_s, 0)   # tokens, clock, admissions already rewarded
-        self._return = 0.0                         # the episode's rewards so far, loss aversion aside
+        self._rewarded = (0, self._sim.now_s)   # tokens and clock already rewarded
         return self._sim.next_admission()
 
     def _window(self, w: int, start: int, size: int):
@@ -281,7 +265,7 @@ class BatchFormationEnv(gym.Env):
         cached in the shared :class:`WorkloadSet`.
 
         The trace is ``size`` requests from ``start`` with arrivals shifted to 0; the baseline
-        rate (output tokens/s) is one simulation of it under ``reward_baseline``.
+        rate (output tokens/s) is one simulation of it under FCFS.
         """
         key = (w, start, size)
         if key not in self._windows:
@@ -291,23 +275,18 @@ class BatchFormationEnv(gym.Env):
             shifted = [dataclasses.replace(r, arrival_s=r.arrival_s - t0) for r in requests]
             window = traces.Trace(f"{trace.name}[{start}:{start + size}]", shifted, trace.source, trace.block_size)
             digests = self._digests[w][start:start + size]
-            baseline = simulate(window, self.cost_model, make_policy(self.config["reward_baseline"]),
+            baseline = simulate(window, self.cost_model, make_policy("fcfs"),
                                 config=self.engine, digests=digests)
             total_output = sum(r.output_len for r in shifted)
             self._windows[key] = (window, digests, baseline.metrics()["throughput_tok_s"], total_output)
         return self._windows[key]
 
-    def _reward(self) -> tuple[float, float]:
-        """Reward of everything since the last one (the first step also covers the reset's run-up),
-        and the simulated seconds it covers."""
+    def _reward(self) -> float:
+        """Reward of everything since the last one (the first step also covers the reset's run-up)."""
         sim = self._sim
-        tokens, now, admissions = self._rewarded
-        self._rewarded = (sim.tokens_out, sim.now_s, len(sim.admission_waits))
-        tokens, elapsed_s = sim.tokens_out - tokens, sim.now_s - now
-        bound = self.config["wait_bound_s"]
-        excess = sum(w - bound for w in sim.admission_waits[admissions:] if w > bound)
-        penalty = self.config["wait_penalty"] * excess
-        return float((tokens - self._baseline * (elapsed_s + penalty)) / self._reward_scale), float(elapsed_s)
+        tokens, now = self._rewarded
+        self._rewarded = (sim.tokens_out, sim.now_s)
+        return float((sim.tokens_out - tokens - self._baseline * (sim.now_s - now)) / self._reward_scale)
 
     def _final_info(self) -> dict:
         sim = self._sim
