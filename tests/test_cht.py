@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import xxhash
 
+from cache_core.cht.tree import CandidateStats, ChunkedHashTree, PrefixGroup
 from traces.chunk_hash import (
     DEFAULT_CHUNK_SIZE,
     block_hash_digests,
@@ -16,7 +17,6 @@ from traces.chunk_hash import (
     chained_chunk_hashes,
     request_chunk_hashes,
 )
-from cache_core.cht.tree import CandidateStats, ChunkedHashTree, PrefixGroup
 from traces.request import Request
 
 

@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cache_core.cht import tree as cht_module
-from cache_core.cht.tree import ChunkedHashTree
 from cache_core.cht.reference import ReferenceScheduler
+from cache_core.cht.tree import ChunkedHashTree
 
 # A 3-token alphabet and short prompts make shared prefixes, ties and groups common.
 prompts = st.lists(st.integers(0, 2), max_size=12)

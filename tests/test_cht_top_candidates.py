@@ -8,10 +8,10 @@ another waiting request; a request sharing none is a group of its own).
 import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from cache_core.cht.tree import ChunkedHashTree
-from cache_core.cht.reference import ReferenceScheduler
 from test_cht_properties import apply, operations
+
+from cache_core.cht.reference import ReferenceScheduler
+from cache_core.cht.tree import ChunkedHashTree
 
 
 def brute_force(cht: ChunkedHashTree, digests: dict, k: int) -> list:

@@ -10,9 +10,17 @@ torch = pytest.importorskip("torch")
 from feather_gym.costmodel import model_preset  # noqa: E402
 from feather_gym.costmodel.profile_io import validate_profile  # noqa: E402
 from feather_gym.costmodel.profiler_torch import DecodePoint, TorchStepRunner, run_torch_profile  # noqa: E402
-from feather_gym.costmodel.profiler_vllm import (VLLM_HOMOGENEITY, EngineLimits, MixedPoint,  # noqa: E402
-                                                 PrefillPoint, check_grid, prefill_repeats, vllm_decode_grid,
-                                                 vllm_mixed_grid, vllm_prefill_grid)
+from feather_gym.costmodel.profiler_vllm import (  # noqa: E402
+    VLLM_HOMOGENEITY,
+    EngineLimits,
+    MixedPoint,
+    PrefillPoint,
+    check_grid,
+    prefill_repeats,
+    vllm_decode_grid,
+    vllm_mixed_grid,
+    vllm_prefill_grid,
+)
 
 SHAPE = model_preset("smollm2-135m").with_dtype("float32")
 
@@ -165,7 +173,7 @@ def test_prefill_repeats_fall_with_step_size():
     assert counts == sorted(counts, reverse=True) and counts[0] == 8 and counts[-1] == 2
 
 
-@pytest.mark.slow
+@pytest.mark.live
 def test_vllm_backend_times_controlled_steps_of_the_real_engine():
     pytest.importorskip("vllm")
     from feather_gym.costmodel.profiler_vllm import run_vllm_profile

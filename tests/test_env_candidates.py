@@ -3,13 +3,20 @@
 import numpy as np
 import pytest
 from gymnasium.utils.env_checker import check_env
+from test_env import CONFIG, rollout
 
 from feather_gym.envs import BatchFormationEnv
-from feather_gym.observation import (ADD, NUM_FEATURES, STOP, DecisionPoint, action_meanings, chosen_slot,
-                                     observation_size)
+from feather_gym.observation import (
+    ADD,
+    NUM_FEATURES,
+    STOP,
+    DecisionPoint,
+    action_meanings,
+    chosen_slot,
+    observation_size,
+)
 from feather_gym.policies import HeaviestGroup, make_policy
 from feather_gym.simulator import simulate
-from test_env import CONFIG, rollout
 
 
 def test_layout_and_action_helpers():
@@ -93,8 +100,8 @@ def test_choosing_another_slot_admits_that_candidate():
 
 
 def test_heaviest_group_is_a_k_way_baseline():
-    from feather_gym.costmodel import load_cost_model
     import traces
+    from feather_gym.costmodel import load_cost_model
 
     trace = traces.resolve_workload("prefix-groups:groups=4,num_requests=120,rate=200", seed=0)
     model = load_cost_model("h200")
@@ -109,12 +116,12 @@ def test_heaviest_group_is_a_k_way_baseline():
 
 
 def test_feather_train_takes_num_candidates_to_the_env():
-    from trainer.cli import build_train_parser
+    from feather_cli.train import build_train_parser, train_flags
     from trainer.config import build_config
     from trainer.train import env_config
 
-    args = vars(build_train_parser().parse_args(["--num-candidates", "4", "--workload", "no-sharing"]))
-    config = build_config({}, {k: v for k, v in args.items() if k not in ("config", "json")})
+    config = build_config({}, train_flags(build_train_parser().parse_args(["--num-candidates", "4", "--workload",
+                                                                          "no-sharing"])))
     assert config.num_candidates == 4 and env_config(config.resolved())["num_candidates"] == 4
     with pytest.raises(ValueError, match="num_candidates"):
         build_config({}, {"num_candidates": 0, "workloads": ["no-sharing"]}).validate()

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from feather_cli.main import LOGGED_PACKAGES, build_parser, log_progress, main
-from traces.request import Request, Trace, synthesise_tokens, SYNTH_TOKEN_LOW, SYNTH_TOKEN_RANGE
+from traces.request import SYNTH_TOKEN_LOW, SYNTH_TOKEN_RANGE, Request, Trace, synthesise_tokens
 
 
 def block_request(rid, ids, input_len, block_size=4, arrival=0.0):

@@ -7,6 +7,7 @@ import pytest
 from feather_cli.main import main
 
 
+@pytest.mark.slow
 def test_headroom_pairs_the_playout_and_a_policy_with_the_rule(capsys):
     assert main(["bench", "headroom", "--profile", "vllm-cpu", "--seeds", "2", "--policy", "feather-rule", "--json"]) == 0
     out = capsys.readouterr().out

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-slow = pytest.mark.slow
+live = pytest.mark.live
 
 WORKLOAD = ("long-doc-qa:num_requests=16,doc_tokens_min=800,doc_tokens_max=2400,questions_min=3,questions_max=5,"
             "output_tokens_min=4,output_tokens_max=8,rate=20")
@@ -35,7 +35,7 @@ def trace(hybrid_model_dir):
     return texturize(resolve_workload(WORKLOAD, seed=0), corpus)
 
 
-@slow
+@live
 def test_engine_plugs_in_the_placement_scheduler_and_its_layout_matches_the_cache_layout(llm, hybrid_model_dir):
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec
 
@@ -58,12 +58,12 @@ def test_engine_plugs_in_the_placement_scheduler_and_its_layout_matches_the_cach
     assert spec.block_size == layout.vllm_block_size()
 
 
-@slow
+@live
 def test_dp_placement_serves_with_hits_within_its_budget_and_outputs_match_vllms(llm, trace):
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from deploy.hybrid_placement import HybridPlacementConfig, HybridPlacementScheduler
     from deploy.bench.harness import run_schedulers
+    from deploy.hybrid_placement import HybridPlacementConfig, HybridPlacementScheduler
 
     state_bytes = llm.llm_engine.engine_core.engine_core.scheduler.state_pool_bytes
     config = HybridPlacementConfig(placement="dp", state_budget_bytes=4 * state_bytes, checkpoints=4,
@@ -81,7 +81,7 @@ def test_dp_placement_serves_with_hits_within_its_budget_and_outputs_match_vllms
     assert result["identical_outputs"] == len(trace)
 
 
-@slow
+@live
 def test_hybrid_build_reports_the_training_and_the_layout(capsys):
     import json
     import math
@@ -95,13 +95,13 @@ def test_hybrid_build_reports_the_training_and_the_layout(capsys):
     assert report["corpus"] in ("war_and_peace.txt", "Isaac.Newton-Opticks.txt")
 
 
-@slow
+@live
 def test_the_feather_scheduler_composes_with_the_placement_plugin(llm, trace):
     from vllm.v1.core.sched.scheduler import Scheduler
 
+    from deploy.bench.harness import run_schedulers
     from deploy.hybrid_placement import FeatherHybridScheduler, HybridPlacementConfig
     from deploy.scheduler import FeatherConfig
-    from deploy.bench.harness import run_schedulers
 
     sides = {"vllm": (Scheduler, {}),
              "feather-hybrid": (FeatherHybridScheduler, {"feather_config": FeatherConfig(policy="feather-rule"),
@@ -114,7 +114,7 @@ def test_the_feather_scheduler_composes_with_the_placement_plugin(llm, trace):
     assert result["identical_outputs"] == len(trace)
 
 
-@slow
+@live
 def test_vllm_and_transformers_agree_on_greedy_tokens(hybrid_model_dir):
     # Last in the module: the second engine it starts tears vLLM's process-wide parallel state down
     # when it is freed, which the module's engine still needs.

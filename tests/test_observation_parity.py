@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import time
 
+import deploy_policies as policies
 import numpy as np
 import pytest
 
-import deploy_policies as policies
 from cache_core.cht.tree import ChunkedHashTree
 from deploy.admission import PolicyAdmission
 from deploy.vllm_request import vllm_request

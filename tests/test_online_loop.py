@@ -9,13 +9,12 @@ from __future__ import annotations
 import json
 import logging
 import shutil
-import time
 from types import SimpleNamespace
 
+import deploy_policies as policies
 import numpy as np
 import pytest
 
-import deploy_policies as policies
 from feather_gym.costmodel.refit import LiveStep, read_step_logs, refit_profile
 
 BLOCK = 16
@@ -34,8 +33,8 @@ def live_step(step: int, seconds: float = 0.1, *, decode=(0, 0, 0, 0), chunks=()
 
 # --- composition --------------------------------------------------------------------------------
 def test_step_composition_counts_decodes_shared_blocks_groups_and_prefill_chunks():
-    from deploy.vllm_request import vllm_request
     from deploy.step_log import step_composition
+    from deploy.vllm_request import vllm_request
 
     prompts = {"a": (1, 2, 3), "b": (1, 2, 4), "c": (7, 8), "d": (1, 2, 5, 6, 9), "e": (11,)}
     requests = {rid: vllm_request(rid, tokens(*p), block_size=BLOCK, arrival_time=0.0) for rid, p in prompts.items()}

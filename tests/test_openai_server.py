@@ -9,12 +9,11 @@ from __future__ import annotations
 import json
 from concurrent.futures import ThreadPoolExecutor
 
-import pytest
-
 import deploy_policies as policies
+import pytest
 from server_process import running_server
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.live
 
 REQUEST_TIMEOUT_S = 120.0
 NUM_REQUESTS = 20

@@ -6,7 +6,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cache_core.hybrid.placement import PlacementProblem, solve
-from cache_core.hybrid.placement_heuristics import Balanced, Dyadic, EndOfPrompt, EveryBlocks, SqrtSpacing, default_heuristics
+from cache_core.hybrid.placement_heuristics import (
+    Balanced,
+    Dyadic,
+    EndOfPrompt,
+    EveryBlocks,
+    SqrtSpacing,
+    default_heuristics,
+)
 
 
 @pytest.mark.parametrize(

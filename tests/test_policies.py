@@ -9,8 +9,16 @@ import pytest
 from feather_gym.costmodel import load_cost_model
 from feather_gym.observation import ADD, FEATURE_INDEX, STOP
 from feather_gym.orderings import LPMOrder
-from feather_gym.policies import (DEFAULT_PLAYOUT_SAMPLES, AlwaysAdd, FeatherRule, GroupLabelPolicy, RulePlayout,
-                                  make_policy, playout_futures, sampled_output_lengths)
+from feather_gym.policies import (
+    DEFAULT_PLAYOUT_SAMPLES,
+    AlwaysAdd,
+    FeatherRule,
+    GroupLabelPolicy,
+    RulePlayout,
+    make_policy,
+    playout_futures,
+    sampled_output_lengths,
+)
 from feather_gym.simulator import EngineConfig, Simulator, simulate
 from traces import Request, Trace
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 
+import deploy_policies as policies
 import numpy as np
 import pytest
 
-import deploy_policies as policies
 from feather_gym.costmodel import load_cost_model
 from feather_gym.observation import OBS_VERSION, STOP, observation_size
 from feather_gym.policies import make_policy

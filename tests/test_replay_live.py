@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-slow = pytest.mark.slow
+live = pytest.mark.live
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +60,7 @@ def logprobs(output) -> list[float]:
     return [next(iter(step.values())).logprob for step in output.outputs[0].logprobs]
 
 
-@slow
+@live
 def test_replaying_from_the_sequence_start_reproduces_vllms_own_state_exactly(llm):
     from vllm.v1.core.sched.scheduler import Scheduler
 
@@ -79,7 +79,7 @@ def test_replaying_from_the_sequence_start_reproduces_vllms_own_state_exactly(ll
         assert logprobs(a) == logprobs(b)                  # the same kernels over the same inputs: bit-exact
 
 
-@slow
+@live
 def test_a_hit_resumes_at_the_attention_hit_where_vllm_without_a_state_recomputes(llm):
     from deploy.hybrid_placement import HybridPlacementConfig, HybridPlacementScheduler
     from deploy.replay_scheduler import SuffixReplayScheduler
@@ -103,7 +103,7 @@ def test_a_hit_resumes_at_the_attention_hit_where_vllm_without_a_state_recompute
     assert scheduler.resumable_blocks(SimpleNamespace(block_hashes=[b"x", b"y"]), 2) == 0
 
 
-@slow
+@live
 def test_anchors_stay_within_their_budget(llm):
     from deploy.replay_layer import PLAN
     from deploy.replay_scheduler import SuffixReplayScheduler
@@ -120,13 +120,13 @@ def test_anchors_stay_within_their_budget(llm):
     assert outputs[1].num_cached_tokens == 3 * block_size(llm)
 
 
-@slow
+@live
 def test_misconfigurations_are_refused_with_a_reason(llm):
     from vllm.config.compilation import CompilationMode
 
+    from deploy.bench.harness import install_scheduler
     from deploy.replay_layer import PLAN
     from deploy.replay_scheduler import SuffixReplayScheduler
-    from deploy.bench.harness import install_scheduler
 
     with pytest.raises(ValueError, match="at most the block size"):
         install_scheduler(llm, SuffixReplayScheduler, **replay_side(replay_tokens=block_size(llm) + 1))

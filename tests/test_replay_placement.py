@@ -8,15 +8,21 @@ import json
 
 import numpy as np
 import pytest
-from test_placement_cli import last_json
 from test_placement_hybrid import CONFIG, LAYOUT, PREFILL, model_dir  # noqa: F401 (fixture)
 
-from cache_core.hybrid.placement import PlacementProblem, solve
+from cache_core.hybrid.placement import PlacementProblem, resume_positions, solve
 from cache_core.hybrid.placement_eval import evaluate_placements
-from cache_core.hybrid.placement import resume_positions
-from cache_core.hybrid.replay_placement import (ReplayCost, anchor_entry_bytes, compare_at_equal_bytes, dp_allocations,
-                                         hit_tree_copies, resume_with_anchors, spread_anchors, storage_on_workload)
 from cache_core.hybrid.recompute_cost import PrefillTime
+from cache_core.hybrid.replay_placement import (
+    ReplayCost,
+    anchor_entry_bytes,
+    compare_at_equal_bytes,
+    dp_allocations,
+    hit_tree_copies,
+    resume_with_anchors,
+    spread_anchors,
+    storage_on_workload,
+)
 from feather_cli.main import main
 
 S = LAYOUT.state_bytes

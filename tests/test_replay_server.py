@@ -11,10 +11,9 @@ import re
 
 import numpy as np
 import pytest
-
 from server_process import running_server
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.live
 
 
 def prefix_cache_hits(url: str) -> float:

@@ -25,7 +25,7 @@ WORKLOAD = ("prefix-groups:num_requests=12,groups=3,prefix_tokens=256,suffix_tok
             "output_tokens_min=8,output_tokens_max=24,rate=1000")
 
 
-@pytest.mark.slow
+@pytest.mark.live
 def test_sim_validate_reports_every_figure_and_the_engine_agrees_on_steps_and_hits(capsys):
     from feather_cli.main import main
 
@@ -75,8 +75,8 @@ def waiting_k4_policy(tmp_path_factory) -> str:
     oldest request has waited (``oldest_wait_steps`` weighs on its STOP logit): what a trained one
     reads, so a clock behind that feature would show here."""
     import torch
-
     from deploy_policies import export
+
     from feather_gym.observation import FEATURE_INDEX, FEATURE_NAMES, observation_size
 
     k = 4
@@ -135,7 +135,7 @@ def assert_same_schedule(engine, policy: str, trace, online: bool) -> dict:
     return sim
 
 
-@pytest.mark.slow
+@pytest.mark.live
 @pytest.mark.parametrize("case", list(SCHEDULE_PARITY_CASES))
 def test_the_simulator_schedules_every_request_in_the_engines_step(bench_engine, waiting_k4_policy, case):
     from traces import resolve_workload
@@ -145,15 +145,15 @@ def test_the_simulator_schedules_every_request_in_the_engines_step(bench_engine,
     assert_same_schedule(bench_engine, policy, resolve_workload(spec, seed=seed), online)
 
 
-@pytest.mark.slow
+@pytest.mark.live
 def test_a_policy_may_admit_another_slot_when_slot_0_does_not_fit_as_deployed(bench_engine, tmp_path):
     """The deployed scheduler asks the policy before vLLM's KV check. After the first request's
     4,000-token prefill (32 of the 44 blocks), two requests wait that miss as many blocks (12),
     but slot 0's partial last block needs a 13th of the 12 free; a policy that prefers slot 1
     admits it in step 2. The simulator once asked only when slot 0 fitted (step 91 here)."""
     import numpy as np
-
     from deploy_policies import last_slot_policy
+
     from traces import Request, Trace
 
     def request(i, arrival_s, prompt_tokens, output_tokens):
@@ -218,10 +218,10 @@ def test_the_live_benches_serve_the_training_mix_in_the_regime_it_trains_in():
     arrival times the training env and the simulated side of ``sim validate`` use."""
     import numpy as np
 
-    from feather_cli.bench import submission
     from deploy.bench.harness import DEFAULT_ONLINE
     from deploy.bench.serve import DEFAULT_WORKLOADS
     from deploy.bench.validate import as_served
+    from feather_cli.bench import submission
     from feather_cli.main import build_parser
     from traces import resolve_workload
     from trainer.config import DEFAULT_MIXES

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from feather_gym.hybrid import suffix_replay as sr
 from cache_core.hybrid.anchor_store import AnchorStore
+from feather_gym.hybrid import suffix_replay as sr
 from traces.chunk_hash import chained_chunk_hashes
 
 PAGE = 64

@@ -2,7 +2,8 @@
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from traces import Request, Trace
 from traces.stats import PrefixBlockCache, depth_histogram, overlap_depths, trace_stats

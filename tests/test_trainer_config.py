@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from trainer.cli import build_train_parser, main
+from feather_cli.train import build_train_parser, main, train_flags
 from feather_gym.costmodel import hardware_profile
 from feather_gym.policies import DEFAULT_MAX_WAIT_STEPS
 from trainer.config import DEFAULT_MIXES, TrainConfig, build_config, load_config_file
 
 
 def flags(argv: list[str]) -> dict:
-    args = vars(build_train_parser().parse_args(argv))
-    return {k: v for k, v in args.items() if k not in ("config", "json")}
+    return train_flags(build_train_parser().parse_args(argv))
 
 
 def test_every_setting_is_a_flag_with_help():
@@ -26,7 +25,7 @@ def test_every_setting_is_a_flag_with_help():
     for field in dataclasses.fields(TrainConfig):
         assert field.metadata["help"].strip(), field.name
         assert options[field.name] == [spelled.get(field.name, "--" + field.name.replace("_", "-"))]
-    assert set(options) == {f.name for f in dataclasses.fields(TrainConfig)} | {"help", "config", "json"}
+    assert set(options) == {f.name for f in dataclasses.fields(TrainConfig)} | {"help", "config", "json", "old_command"}
 
 
 def test_the_flags_keep_their_spelling():

@@ -5,8 +5,17 @@ import pytest
 
 import traces
 from feather_gym.policies import BASELINES, make_policy
-from trainer.evaluate import (ISSUE_TOLERANCE, POLICY_LABEL, TIE_TOLERANCE, Benchmark, format_table, paired_ratio,
-                              paired_sign, slower_workloads, validation_score)
+from trainer.evaluate import (
+    ISSUE_TOLERANCE,
+    POLICY_LABEL,
+    TIE_TOLERANCE,
+    Benchmark,
+    format_table,
+    paired_ratio,
+    paired_sign,
+    slower_workloads,
+    validation_score,
+)
 from trainer.train import beyond
 
 WORKLOADS = ("prefix-groups:num_requests=120,groups=3,rate=100", "no-sharing:num_requests=120")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import numpy as np
 import onnx
@@ -11,8 +11,8 @@ import onnxruntime
 import pytest
 import torch
 
+from feather_cli.train import main
 from feather_gym.observation import ACTION_MEANINGS, FEATURE_NAMES, OBS_NORMALIZATION, OBS_VERSION
-from trainer.cli import main
 from trainer.export import export_policy_module, load_policy_network, sample_observations
 
 F = len(FEATURE_NAMES)
@@ -30,7 +30,7 @@ def real_observations() -> np.ndarray:
 
 def test_export_writes_the_contract(tmp_path, real_observations):
     path = tmp_path / "policy.onnx"
-    trained_at = datetime(2026, 1, 2, 3, 4, 5, tzinfo=timezone.utc)
+    trained_at = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
     report = export_policy_module(small_network(), path, profile="h100", workload=["prefix-groups", "no-sharing"],
                                   trained_at=trained_at, observations=real_observations)
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from trainer.cli import main, resumed_run
-from trainer.config import TrainConfig, build_config
+from feather_cli.train import main
+from trainer.config import TrainConfig, build_config, resumed_run
 from trainer.train import train
 
 WORKLOADS = ("prefix-groups:num_requests=48,groups=3,rate=100", "no-sharing:num_requests=48")
@@ -70,7 +70,7 @@ def test_a_run_of_another_observation_contract_is_neither_resumed_nor_exported(t
     assert not (tmp_path / "out").exists() and not (tmp_path / "p.onnx").exists()
 
 
-@pytest.mark.slow
+@pytest.mark.train
 @pytest.mark.timeout(420)
 def test_fine_tune_a_tiny_run_on_another_profile(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")

@@ -11,9 +11,9 @@ import onnx
 import onnxruntime
 import pytest
 
+from feather_cli.train import main
 from feather_gym.observation import FEATURE_NAMES, OBS_VERSION
 from feather_gym.policies import DEFAULT_MAX_WAIT_STEPS
-from trainer.cli import main
 from trainer.config import TrainConfig
 from trainer.train import train
 
@@ -26,7 +26,7 @@ def private_ray(monkeypatch):
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
 
 
-@pytest.mark.slow
+@pytest.mark.train
 @pytest.mark.timeout(240)
 def test_tiny_training_run_exports_a_valid_policy(tmp_path, capsys, monkeypatch):
     # A relative output folder, like the default runs/feather-<time>: RLlib needs absolute paths.

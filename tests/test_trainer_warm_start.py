@@ -4,11 +4,17 @@ import gymnasium as gym
 import numpy as np
 import pytest
 
+from feather_gym.envs import BatchFormationEnv
 from feather_gym.observation import NUM_FEATURES, OBS_CLIP
 from feather_gym.policies import FeatherRule, playout_futures
-from feather_gym.envs import BatchFormationEnv
-from trainer.warm_start import (clone_into, demonstrator, improved_action, playout_return, record_demonstrations,
-                                record_episode)
+from trainer.warm_start import (
+    clone_into,
+    demonstrator,
+    improved_action,
+    playout_return,
+    record_demonstrations,
+    record_episode,
+)
 
 ENV_CONFIG = {"workloads": ["prefix-groups:groups=3,num_requests=200,rate=50", "no-sharing:num_requests=100"],
               "profile": "rtx6000-ada", "window_requests": 1000, "max_decisions": 4096}
@@ -100,6 +106,7 @@ def test_a_playout_is_the_return_the_env_then_gets():
     assert total == pytest.approx(expected, rel=1e-12, abs=1e-12)
 
 
+@pytest.mark.slow
 def test_improved_labels_are_stop_where_its_playouts_beat_the_rules_beyond_the_minimum_gain():
     env = BatchFormationEnv(IMPROVE_CONFIG)
     rule = demonstrator("feather-rule")

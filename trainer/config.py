@@ -15,11 +15,12 @@ seed, is trained and validated on the earlier part of its arrival span and evalu
 from __future__ import annotations
 
 import dataclasses
+import json
 import tomllib
 import types
 import typing
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import yaml
@@ -70,7 +71,7 @@ def profile_mix(profile: str) -> TrainingMix:
 @dataclass
 class TrainConfig:
     """One training run. Every field is a setting: a key of a config file and a ``feather-train``
-    flag (:mod:`trainer.cli`), with its help text in the field's ``metadata["help"]``.
+    flag (:mod:`feather_cli.train`), with its help text in the field's ``metadata["help"]``.
 
     Budget: training stops after ``iterations`` PPO iterations when given, otherwise when
     another iteration would overrun ``time_budget_s``: the wall time of the warm start (its
@@ -148,7 +149,7 @@ class TrainConfig:
         "help": "share of a trace file's arrival span held out, at its end, for the final evaluation "
                 "(generated workloads are held out by seed)"})
 
-    def resolved(self) -> "TrainConfig":
+    def resolved(self) -> TrainConfig:
         """A copy with the hardware default profile, its device's built-in mix (when no workloads
         are given) and the default output folder filled in."""
         profile = self.profile or hardware_profile()
@@ -158,7 +159,7 @@ class TrainConfig:
             self, profile=profile, workloads=mix.workloads if default_mix else self.workloads,
             kv_capacity_tokens=self.kv_capacity_tokens or (mix.kv_capacity_tokens if default_mix else None),
             workload_instances=self.workload_instances or (mix.workload_instances if default_mix else 1),
-            output_dir=self.output_dir or Path("runs") / datetime.now(timezone.utc).strftime("feather-%Y%m%d-%H%M%S"),
+            output_dir=self.output_dir or Path("runs") / datetime.now(UTC).strftime("feather-%Y%m%d-%H%M%S"),
         )
 
     def engine(self):
@@ -170,7 +171,6 @@ class TrainConfig:
     def validate(self) -> None:
         """Raise ``ValueError``/``OSError`` naming the bad field; cheap (no Ray, no training)."""
         import traces
-
         from feather_gym.costmodel import load_cost_model
 
         if self.workloads is None:
@@ -332,3 +332,33 @@ def _coerce(key: str, value, *, source: str):
     if int in kinds and not (is_number and isinstance(value, int)):
         raise ValueError(f"{source}: {key} must be an integer, got {value!r}")
     return value
+
+
+#: Settings a resumed run does not take over from the run it continues: where and how long it runs.
+NOT_RESUMED = ("output_dir", "resume", "iterations", "time_budget_s", "ray_address", "warm_start",
+               "improve_warm_start")
+
+
+def resumed_run(resume: Path) -> tuple[Path, dict]:
+    """(the checkpoint, the settings) ``--resume`` continues: a run folder's ``checkpoint/`` and its
+    ``summary.json`` settings less :data:`NOT_RESUMED`, or a checkpoint folder with no settings.
+    A setting this build no longer has (an older run's) is left out."""
+    run = Path(resume)
+    if not (run / "checkpoint").is_dir():
+        return run, {}
+    summary = run / "summary.json"
+    settings = json.loads(summary.read_text())["config"] if summary.is_file() else {}
+    known = set(_FIELDS) - set(NOT_RESUMED)
+    return run / "checkpoint", {key: value for key, value in settings.items() if key in known}
+
+
+def run_config(flags: dict, config_file: str | Path | None = None) -> TrainConfig:
+    """The configuration of one ``feather-train`` run: defaults < the settings of the run it
+    resumes (``flags["resume"]``, :func:`resumed_run`) < ``config_file`` < ``flags`` (a flag that
+    is None was not given)."""
+    file_settings = load_config_file(config_file) if config_file else {}
+    flags = dict(flags)
+    if flags.get("resume") is not None:
+        flags["resume"], run_settings = resumed_run(flags["resume"])
+        file_settings = {**run_settings, **file_settings}
+    return build_config(file_settings, flags)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import pickle
 from collections.abc import Sequence
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
@@ -136,7 +136,7 @@ def onnx_metadata(*, profile: str, workload: str | Sequence[str], trained_at: da
     from feather_gym.envs import ENV_ID
     from feather_gym.observation import observation_contract
 
-    trained_at = trained_at or datetime.now(timezone.utc)
+    trained_at = trained_at or datetime.now(UTC)
     contract = {key: value if isinstance(value, str) else json.dumps(value)
                 for key, value in observation_contract(num_candidates).items()}
     return {
@@ -145,7 +145,7 @@ def onnx_metadata(*, profile: str, workload: str | Sequence[str], trained_at: da
         "feather.profile": profile,
         "feather.workload": workload if isinstance(workload, str) else
                             workload[0] if len(workload) == 1 else json.dumps(list(workload)),
-        "feather.trained_at": trained_at.astimezone(timezone.utc).isoformat(timespec="seconds"),
+        "feather.trained_at": trained_at.astimezone(UTC).isoformat(timespec="seconds"),
         **({} if max_wait_steps is None else {"feather.max_wait_steps": str(max_wait_steps)}),
     }
 
@@ -253,3 +253,20 @@ def _parity(module: torch.nn.Module, path: Path, obs: np.ndarray, label: str) ->
         f"max_abs_diff_{label}": float(np.abs(onnx_logits - torch_logits).max()),
         f"action_agreement_{label}": float(np.mean(onnx_logits.argmax(1) == torch_logits.argmax(1))),
     }
+
+
+def export_checkpoint(checkpoint: Path, output: Path, *, profile: str | None = None,
+                      workloads: list[str] | None = None) -> dict:
+    """Export the policy of a ``feather-train`` checkpoint to ``output`` (:func:`export_policy_module`),
+    with the profile and workloads it records unless given; ``ValueError`` when it records
+    neither (not written by feather-train) or was trained for another observation contract."""
+    info = read_training_info(checkpoint) or {}
+    network = load_policy_network(checkpoint)
+    profile = profile or info.get("profile")
+    workloads = workloads or info.get("workloads")
+    if not profile or not workloads:
+        raise ValueError(f"checkpoint {checkpoint} does not record its profile and workloads "
+                         "(not written by feather-train); pass --profile and --workload")
+    trained_at = datetime.fromisoformat(info["trained_at"]) if "trained_at" in info else None
+    return export_policy_module(network, output, profile=profile, workload=workloads, trained_at=trained_at,
+                                max_wait_steps=info.get("max_wait_steps"))

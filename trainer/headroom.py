@@ -17,9 +17,6 @@ policy to deploy.
 
 from __future__ import annotations
 
-import json
-import time
-
 
 def headroom(config, *, seeds: int, policy_path: str | None = None) -> dict:
     """``{"profile", "seeds", "workloads": [...]}``: per workload of ``config`` (a resolved

@@ -37,7 +37,7 @@ class RunLog:
         self.history: list[IterationRecord] = []
         self._writer = SummaryWriter(str(tensorboard_dir), flush_secs=10)
 
-    def __enter__(self) -> "RunLog":
+    def __enter__(self) -> RunLog:
         return self
 
     def __exit__(self, *exc) -> None:

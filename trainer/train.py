@@ -28,7 +28,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from feather_gym.policies import Policy
@@ -305,7 +305,7 @@ def train(config: TrainConfig, *, progress: Callable[[str], None] = print) -> di
                                  spent_s=time.monotonic() - learning_start)
         finally:
             algo.stop()
-    trained_at = datetime.now(timezone.utc)
+    trained_at = datetime.now(UTC)
     write_training_info(checkpoint, profile=config.profile, workloads=config.workloads, trained_at=trained_at,
                         max_wait_steps=config.max_wait_steps)
     run_log.plot_learning_curve(out / "learning_curve.png", title=f"Feather PPO ({config.profile})",

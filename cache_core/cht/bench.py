@@ -25,17 +25,15 @@ Against SGLang's LPM (:mod:`cache_core.cht.lpm`), twice:
 
 from __future__ import annotations
 
-import argparse
 import gc
-import json
 import time
 import tracemalloc
 from collections import deque
 
 import numpy as np
 
-from traces.chunk_hash import DEFAULT_CHUNK_SIZE, chained_chunk_hashes, request_chunk_hashes
 from cache_core.cht.tree import ChunkedHashTree
+from traces.chunk_hash import chained_chunk_hashes, request_chunk_hashes
 
 MOONCAKE_TRACE = "mooncake_conversation_trace.jsonl"
 #: SGLang's scheduler runs LPM only while the waiting queue holds at most this many requests, FCFS above.

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+
 @dataclass(frozen=True)
 class PrefillTime:
     """``ms(from, to) = a + T(to) - T(from)`` with ``T(n) = b n + c n^2`` (to > from; else 0).

@@ -38,7 +38,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-
 logger = logging.getLogger(__name__)
 
 #: The live benches' default submission regime: each request at its trace arrival time, the

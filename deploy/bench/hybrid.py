@@ -108,9 +108,9 @@ def hybrid_bench(*, model: str = "trained", workloads: dict[str, str] | None = N
                  text: bool = True, seed: int = 0, sides: tuple[str, ...] = SIDES,
                  replay_tokens: int = DEFAULT_REPLAY_TOKENS, anchor_share: float = DEFAULT_ANCHOR_SHARE) -> dict:
     """The whole report: one engine on the hybrid model, :func:`run_schedulers` per workload."""
-    from deploy.replay_layer import register_replay_layer
     from transformers import AutoTokenizer
 
+    from deploy.replay_layer import register_replay_layer
     from feather_gym.hybrid.model import SPECS, ensure_hybrid_hf
     from traces import resolve_workload
     from traces.text import corpus_token_ids, texturize

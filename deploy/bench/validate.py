@@ -41,7 +41,6 @@ seed, so it runs once (seed ``seed``).
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import time
 
@@ -67,7 +66,6 @@ DEFAULT_WORKLOADS = {name: ENGINE_SIZED_WORKLOADS[name] for name in ("prefix-hea
 def as_served(trace, *, online: bool, time_scale: float):
     """``trace`` with the arrival times the live round submits it at (all 0 unless ``online``)."""
     import traces
-
     from deploy.bench.harness import submission_offsets
 
     offsets = submission_offsets(trace, online=online, time_scale=time_scale)

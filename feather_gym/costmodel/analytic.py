@@ -21,7 +21,7 @@ not published by NVIDIA as a single figure). These profiles are labelled ``kind:
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from .features import COLUMNS
 from .profile_io import ENGINE_DEFAULTS, PROFILE_SCHEMA
@@ -91,7 +91,7 @@ def analytic_profile(gpu: str, model: str = "llama3-8b") -> dict:
         raise ValueError(f"{model} does not fit on {spec.name}")
     return {
         "schema": PROFILE_SCHEMA, "kind": "analytic", "name": gpu,
-        "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
         "backend": "analytic",
         "hardware": {"device": "cuda", "name": spec.name, "cores": 0, "memory_bytes": spec.memory_bytes,
                      "cache_bytes": spec.l2_bytes},

@@ -68,7 +68,7 @@ class DecodeBatch:
 
     @classmethod
     def from_groups(cls, batch_size: int, num_groups: int, shared_prefix_tokens: int,
-                    unique_tokens_per_request: int) -> "DecodeBatch":
+                    unique_tokens_per_request: int) -> DecodeBatch:
         """``batch_size`` requests in ``num_groups`` equal groups, each group sharing a prefix."""
         if num_groups == batch_size or shared_prefix_tokens == 0:
             context = shared_prefix_tokens + unique_tokens_per_request

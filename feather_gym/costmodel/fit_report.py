@@ -3,7 +3,6 @@ of a profile's fitted cost model, per attention variant."""
 
 from __future__ import annotations
 
-
 #: (batch size, groups, prefix tokens, own tokens) of the homogeneity comparison on small models,
 #: unless the profile's ``settings.homogeneity_point`` names the one its grid measured.
 CPU_HOMOGENEITY = (32, 8, 8192, 256)

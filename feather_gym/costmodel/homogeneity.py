@@ -7,7 +7,7 @@ tokens; the homogeneous schedule is about 2x faster on an RTX 6000 Ada.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from .features import DecodeBatch
 

@@ -14,10 +14,10 @@ KV bytes of one token over all layers.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Mapping
 
 from .features import COLUMNS, DecodeBatch, step_features
 from .fit import attention_variants, fit_rows, measurement_rows

@@ -38,9 +38,9 @@ import os
 import platform
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime, timezone
-from typing import Callable
+from datetime import UTC, datetime
 
 from .features import DecodeBatch
 from .profile_io import PROFILE_SCHEMA, STAT_FIELDS
@@ -350,7 +350,7 @@ def run_torch_profile(model: str, device: str = "cpu", *, quick: bool = False, p
                       else CPU_KV_CACHE_BYTES)
     return {
         "schema": PROFILE_SCHEMA, "kind": "measured", "name": name or device,
-        "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
         "backend": "torch", "hardware": hardware,
         "software": {"python": platform.python_version(), "torch": torch.__version__},
         "model": shape.to_dict(),

@@ -49,10 +49,11 @@ from __future__ import annotations
 import os
 import platform
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from functools import partial
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
@@ -146,7 +147,7 @@ class EngineLimits:
     max_model_len: int
 
     @classmethod
-    def of(cls, llm) -> "EngineLimits":
+    def of(cls, llm) -> EngineLimits:
         config = llm.llm_engine.vllm_config
         return cls(config.cache_config.block_size, config.cache_config.num_gpu_blocks,
                    config.scheduler_config.max_num_batched_tokens, config.scheduler_config.max_num_seqs,
@@ -506,7 +507,7 @@ def run_vllm_profile(model: str = "smollm2-135m", device: str = "cpu", *, quick:
     shape = model_preset(model).with_dtype(dtype)
     return {
         "schema": PROFILE_SCHEMA, "kind": "measured", "name": name or f"vllm-{device}",
-        "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
         "backend": "vllm", "hardware": hardware_info(device),
         "software": {"python": platform.python_version(), "torch": torch.__version__, "vllm": vllm.__version__},
         "model": shape.to_dict(),

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import numpy as np
@@ -79,7 +79,7 @@ class LiveStep:
         return json.dumps(asdict(self), separators=(",", ":"))
 
     @classmethod
-    def from_dict(cls, data: dict) -> "LiveStep":
+    def from_dict(cls, data: dict) -> LiveStep:
         if data.get("schema") != STEP_LOG_SCHEMA:
             raise ValueError(f"not a {STEP_LOG_SCHEMA} record (schema {data.get('schema')!r})")
         return cls(**data)
@@ -164,7 +164,7 @@ def refit_profile(base: dict, steps: list[LiveStep], *, clock: str | None = None
         report.update({f"{key}_{when}": value for key, value in _errors(test, coef, shape, cache).items()})
     report["coefficients_after"] = coefficients
     profile = {**base, "kind": "measured", "name": name or f"{base['name']}-refit",
-               "created_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+               "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
                "settings": {**base["settings"], "refit": {k: v for k, v in report.items() if k != "coefficients_after"}},
                "measurements": base_rows + train}
     for key in ("coefficients", "cache_bytes_effective"):   # an analytic base's: the rows replace them

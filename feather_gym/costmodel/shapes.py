@@ -78,14 +78,14 @@ class ModelShape:
         """FLOPs for one query token attending to one KV token over all layers (QK^T and PV)."""
         return 4 * self.heads * self.head_dim * self.layers
 
-    def with_dtype(self, dtype: str) -> "ModelShape":
+    def with_dtype(self, dtype: str) -> ModelShape:
         return replace(self, dtype=dtype)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict) -> "ModelShape":
+    def from_dict(cls, data: dict) -> ModelShape:
         return cls(**data)
 
 

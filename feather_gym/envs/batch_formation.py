@@ -226,7 +226,7 @@ class BatchFormationEnv(gym.Env):
         truncated = 0 < limit <= sim.num_decisions
         return self._point.observation, reward, False, truncated, {}
 
-    def fork(self, output_len: np.ndarray | None = None) -> "BatchFormationEnv":
+    def fork(self, output_len: np.ndarray | None = None) -> BatchFormationEnv:
         """An independent copy of this env mid-episode: the same pending decision, simulator state
         and reward bookkeeping, so stepping the copy (e.g. to try an action and play the episode
         out) never changes this env. The traces, windows, cost model and settings are shared, not

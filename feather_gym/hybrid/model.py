@@ -36,6 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
+from feather_gym.build_lock import build_lock
 from feather_gym.vllm_engine import DEFAULT_CACHE_DIR as SMOLLM2_DIR
 from feather_gym.vllm_engine import ensure_smollm2_hf
 from traces.text import corpus_path, corpus_token_ids
@@ -224,8 +225,10 @@ def ensure_hybrid_hf(kind: str = "trained", cache_dir: str | os.PathLike | None 
     """The folder of the ``kind`` hybrid model, training it first when absent (idempotent)."""
     target = hybrid_dir(kind, cache_dir)
     if not is_built(kind, cache_dir):
-        spec, settings = SPECS[kind]
-        train_hybrid(spec, settings, target, log=log)
+        with build_lock(target):
+            if not is_built(kind, cache_dir):
+                spec, settings = SPECS[kind]
+                train_hybrid(spec, settings, target, log=log)
     return target
 
 

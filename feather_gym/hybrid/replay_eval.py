@@ -40,7 +40,6 @@ embeddings). In both, attention layers crossed by the replay attend over the suf
 
 from __future__ import annotations
 
-import json
 import time
 
 #: The branching workload of the storage comparison unless --workload is given.
@@ -58,9 +57,9 @@ def evaluate(model_kind: str, *, page: int, prefixes: list[int], replay_tokens: 
     import torch
     from transformers import AutoTokenizer
 
-    from feather_gym.hybrid import suffix_replay as sr
     from cache_core.hybrid.anchor_store import DTYPES
     from cache_core.hybrid.layout import HybridCacheLayout
+    from feather_gym.hybrid import suffix_replay as sr
     from feather_gym.hybrid.model import heldout_start
     from traces.text import corpus_token_ids
 
