@@ -11,17 +11,9 @@ Precomputed chained block hashes (Mooncake ``hash_ids``, vLLM ``request.block_ha
 already identify prefixes, so :func:`block_hash_digests` takes the hash of the last block
 of every chunk instead of hashing tokens again.
 
-Why xxh3_64 and the default chunk size. ``feather bench cht`` sweeps the chunk size on
-10K-token prompts (medians on the shared 2-core box, loaded): hashing costs 71 / 42 / 23 /
-12.6 / 7.5 / 4.6 µs at 16 / 32 / 64 / 128 / 256 / 512 tokens per chunk (one ~0.1 µs
-Python call per chunk dominates), and the CHT add on top 101 / 40 / 23 / 11.4 / 7.1 /
-4.3 µs; activate and memory also grow with the chunk count. 256 is the default: a
-10K-token add with hashing takes ~15 µs (target 50) and activate ~15 µs (target 50) with
-headroom for a busy host, while a shared prefix loses at most 255 tokens to chunking
-(<7% of a 4K-token system prompt). 128 also meets the targets with less headroom; pass
-``chunk_size`` where finer sharing matters. xxh3_128 was ~15% slower and its digests do
-not fit a uint64 array; with 64 bits a collision among a million distinct chunks has
-probability ~3e-8.
+The hash is xxh3_64 (digests fit a uint64 array) and the default chunk is 256 tokens, so a
+shared prefix loses at most 255 tokens to chunking; ``chunk_size`` is a parameter wherever finer
+sharing matters. The chunk-size sweep behind the default is in docs/results.md.
 """
 
 from __future__ import annotations

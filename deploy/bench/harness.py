@@ -360,8 +360,8 @@ def run_schedulers(llm, trace, sides: dict[str, tuple[type, dict]], *, rounds: i
 
     Unless ``warm_up`` is false (the engine already served the sides, e.g. on another seed of the
     same workload), every side first serves one untimed warm-up round (the engine compiles CPU
-    kernels for each new batch shape, and the sides batch differently: a side's first round
-    measured 2.8x slower than its second); timed round ``i`` then runs the sides in
+    kernels for each new batch shape, and the sides batch differently, so a side's first round
+    is slower than its second); timed round ``i`` then runs the sides in
     ``rotated(labels, rotation + i)`` order (:func:`rotated`; calls in sequence on new traces
     without warm-up pass ``rotation`` = their index, so each side in turn serves a new trace first).
     Returns ``sides`` ({label: :func:`summarise`}), ``ratios`` ({label:
