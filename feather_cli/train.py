@@ -49,7 +49,7 @@ def add_dataclass_flags(parser, cls, spelling: dict[str, dict]) -> None:
     annotation (``X | None`` as ``X``; a tuple takes one or more values; an optional field with a
     default other than None also takes :data:`~trainer.config.OFF`). A flag not given is None,
     so it overrides nothing. ``spelling[name]`` adds or replaces ``add_argument`` keywords of
-    a field's flag, and ``"flag"`` (its name) and ``"group"`` (where it goes)."""
+    a field's flag, and ``"flags"`` (its names) and ``"group"`` (where it goes)."""
     hints = typing.get_type_hints(cls)
     for field in dataclasses.fields(cls):
         kind = hints[field.name]
@@ -67,7 +67,7 @@ def add_dataclass_flags(parser, cls, spelling: dict[str, dict]) -> None:
         options |= {"dest": field.name, "default": None, "help": field.metadata["help"] + shown}
         options |= spelling.get(field.name, {})
         group = options.pop("group", parser)
-        group.add_argument(options.pop("flag", "--" + field.name.replace("_", "-")), **options)
+        group.add_argument(*options.pop("flags", ("--" + field.name.replace("_", "-"),)), **options)
 
 
 def _or_off(kind):
@@ -92,13 +92,13 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=Path, help="YAML (.yaml/.yml) or TOML (.toml) file of settings; flags override it")
     budget = parser.add_mutually_exclusive_group()
     add_dataclass_flags(parser, TrainConfig, {
-        "workloads": {"flag": "--workload", "action": "append", "nargs": None, "metavar": "SPEC"},
+        "workloads": {"flags": ("--workload",), "action": "append", "nargs": None, "metavar": "SPEC"},
         "kv_capacity_tokens": {"metavar": "TOKENS"},
         "max_wait_steps": {"metavar": "STEPS"},
         "iterations": {"group": budget, "metavar": "N"},
-        "time_budget_s": {"flag": "--time-budget", "group": budget, "metavar": "SECONDS"},
-        "num_env_runners": {"flag": "--env-runners", "metavar": "N"},
-        "output_dir": {"flag": "--output", "metavar": "DIR"},
+        "time_budget_s": {"flags": ("--time-budget",), "group": budget, "metavar": "SECONDS"},
+        "num_env_runners": {"flags": ("--env-runners",), "metavar": "N"},
+        "output_dir": {"flags": ("-o", "--output"), "metavar": "DIR"},
         "resume": {"metavar": "RUN_DIR|CHECKPOINT"},
         "num_candidates": {"metavar": "K"},
         "warm_start": {"metavar": "BASELINE"},

