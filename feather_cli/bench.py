@@ -161,7 +161,8 @@ def add_loop_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run", required=True, help="a feather-train run folder (policy.onnx, checkpoint/)")
     add_output(parser, "folder for the step log, the refit profile and the tuned run")
     add_workloads(parser, "workload, repeatable (default: feather bench serve's)")
-    parser.add_argument("--rounds", type=int, default=LOOP_ROUNDS, help=f"timed rounds per side (default {LOOP_ROUNDS})")
+    parser.add_argument("--rounds", type=int, default=LOOP_ROUNDS,
+                        help=f"timed rounds per side (default {LOOP_ROUNDS})")
     parser.add_argument("--collect-rounds", type=int, default=1, help="rounds served to collect the log (default 1)")
     parser.add_argument("--fine-tune-s", type=float, default=DEFAULT_FINE_TUNE_S,
                         help=f"fine-tuning time budget in seconds (default {DEFAULT_FINE_TUNE_S:g})")

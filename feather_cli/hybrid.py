@@ -61,8 +61,10 @@ def check_command(args) -> int:
     report = compare_greedy(str(ensure_hybrid_hf(args.model)), num_prompts=args.prompts,
                             max_new_tokens=args.max_new_tokens, seed=args.seed)
     print(f"vLLM vs transformers (bf16, greedy {report['max_new_tokens']} tokens, {report['num_prompts']} prompts of "
-          f"{report['prompt_tokens_min']}-{report['prompt_tokens_max']} tokens): exact {report['exact_match_fraction']:.2f}, "
-          f"first token {report['first_token_agreement']:.2f}, common prefix {report['mean_common_prefix_fraction']:.2f}")
+          f"{report['prompt_tokens_min']}-{report['prompt_tokens_max']} tokens): "
+          f"exact {report['exact_match_fraction']:.2f}, "
+          f"first token {report['first_token_agreement']:.2f}, "
+          f"common prefix {report['mean_common_prefix_fraction']:.2f}")
     if args.json:
         print(json.dumps(report))
     return 0

@@ -53,9 +53,11 @@ def _fit(args) -> int:
         print(f"[{report['profile']} / {variant}] {report['model']} on {report['hardware']} ({report['kind']})")
         c = entry["coefficients"]
         print(f"  fixed {c['fixed_ms']:.2f} ms (weights at >= {_rate(c['weight_bytes_s_lower_bound'], 'B/s')}), "
-              f"per sequence {c['per_sequence_us']:.1f} us, per prefix pass {c['prefix_pass_us']:.1f} us, KV DRAM {_rate(c['kv_dram_bytes_s'], 'B/s')}, KV hit "
+              f"per sequence {c['per_sequence_us']:.1f} us, per prefix pass {c['prefix_pass_us']:.1f} us, "
+              f"KV DRAM {_rate(c['kv_dram_bytes_s'], 'B/s')}, KV hit "
               f"{_rate(c['kv_hit_bytes_s'], 'B/s')}, attention {_rate(c['attn_flops_s'], 'FLOP/s')}, "
-              f"effective cache {c['cache_bytes_effective'] / 2**20:.1f} MiB, KV capacity {c['kv_capacity_tokens']} tokens")
+              f"effective cache {c['cache_bytes_effective'] / 2**20:.1f} MiB, "
+              f"KV capacity {c['kv_capacity_tokens']} tokens")
         if "held_out" in entry:
             h = entry["held_out"]
             print(f"  held-out ({h['folds']}-fold, {h['rows']} rows): MAPE {h['mape']:.1%}, worst {h['max_ape']:.1%}; "
@@ -73,8 +75,10 @@ def _fit(args) -> int:
 
 
 def _print_comparison(label: str, g: dict) -> None:
-    print(f"  {label}: B={g['batch_size']} over {g['groups']} groups of {g['prefix_tokens']}-token prefixes: mixed step "
-          f"{g['mixed_step_s'] * 1e3:.1f} ms; {g['groups']} homogeneous steps {g['homogeneous_steps_total_s'] * 1e3:.1f} ms "
+    print(f"  {label}: B={g['batch_size']} over {g['groups']} groups "
+          f"of {g['prefix_tokens']}-token prefixes: mixed step "
+          f"{g['mixed_step_s'] * 1e3:.1f} ms; "
+          f"{g['groups']} homogeneous steps {g['homogeneous_steps_total_s'] * 1e3:.1f} ms "
           f"(x{g['speedup_split_homogeneous']:.2f}); one homogeneous step of B={g['batch_size']} "
           f"{g['homogeneous_same_size_step_s'] * 1e3:.1f} ms (x{g['speedup_same_size_homogeneous']:.2f})")
     if "within_paper_band" in g:
@@ -186,7 +190,8 @@ def register(tree) -> None:
     add_output(prefill, "prefill-time JSON file to write", old="--out")
     add_json(prefill)
     prefill.set_defaults(func=_prefill)
-    refit = profile.add_parser("refit", help="refit a profile on steps the live engine logged; held-out error before/after")
+    refit = profile.add_parser("refit",
+                               help="refit a profile on steps the live engine logged; held-out error before/after")
     refit.add_argument("--from-logs", nargs="+", required=True, metavar="LOG",
                        help="step-log JSONL files of the Feather scheduler (rotated ones too)")
     refit.add_argument("--profile", required=True, help="base profile file or shipped name")

@@ -89,7 +89,8 @@ def _shown(value) -> str:
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", type=Path, help="YAML (.yaml/.yml) or TOML (.toml) file of settings; flags override it")
+    parser.add_argument("--config", type=Path,
+                        help="YAML (.yaml/.yml) or TOML (.toml) file of settings; flags override it")
     budget = parser.add_mutually_exclusive_group()
     add_dataclass_flags(parser, TrainConfig, {
         "workloads": {"flags": ("--workload",), "action": "append", "nargs": None, "metavar": "SPEC"},

@@ -1,10 +1,9 @@
 """Policies side by side on one trace in the simulator: the report of ``feather sim compare``.
 
-Every comparison reports its load regime (``arrival_span_s``, ``queue_delay_*`` of ``SimResult.metrics``), since ratios mean different
-things in different regimes: when the makespan is close to the arrival span the engine keeps up
-and every policy finishes with the last arrival; when it is much longer, requests queue and the
-order of admission decides the throughput.
-"""
+Every comparison reports its load regime (``arrival_span_s``, ``queue_delay_*`` of
+``SimResult.metrics``), since ratios mean different things in different regimes: when the makespan
+is close to the arrival span the engine keeps up and every policy finishes with the last arrival;
+when it is much longer, requests queue and the order of admission decides the throughput."""
 
 from __future__ import annotations
 

@@ -230,7 +230,8 @@ class DecisionPoint:
 
     __slots__ = ("view", "candidates", "num_candidates", "step", "batch_size", "_raw", "_rows", "_observation")
 
-    def __init__(self, view: AdmissionView, candidates, step: int, num_candidates: int = DEFAULT_NUM_CANDIDATES) -> None:
+    def __init__(self, view: AdmissionView, candidates, step: int,
+                 num_candidates: int = DEFAULT_NUM_CANDIDATES) -> None:
         self.candidates = tuple(candidates)
         if not 1 <= len(self.candidates) <= check_num_candidates(num_candidates):
             raise ValueError(f"{len(self.candidates)} candidates for {num_candidates} slots (at least 1)")

@@ -20,7 +20,8 @@ def brute_force(cht: ChunkedHashTree, digests: dict, k: int) -> list:
     for arrival, request_id in enumerate(waiting):
         chain, shared = [int(d) for d in digests[request_id]], cht.shared_chunks(request_id)
         depth = max((d for d in range(1, len(chain) + 1)
-                     if any(other != request_id and len(digests[other]) >= d and int(digests[other][d - 1]) == chain[d - 1]
+                     if any(other != request_id and len(digests[other]) >= d
+                             and int(digests[other][d - 1]) == chain[d - 1]
                             for other in waiting)), default=0)
         group = chain[depth - 1] if depth else ("alone", request_id)
         ranked.append(((len(chain) - shared, -shared, arrival), group, request_id))

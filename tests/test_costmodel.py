@@ -106,12 +106,14 @@ def synthetic_profile(noise: float = 0.0, seed: int = 0) -> dict:
     for new in (16, 256, 1024):
         for cached in (0, 4096):
             for requests in (1, 8):
-                rows.append({"phase": "prefill", "new_tokens": new, "cached_tokens": cached, "prefill_requests": requests,
+                rows.append({"phase": "prefill", "new_tokens": new, "cached_tokens": cached,
+                             "prefill_requests": requests,
                              "t": true_step_s(DecodeBatch(0, 0, 0, 0), [(new, cached)] * requests, False)})
     for row in rows:
         t = row.pop("t") * (1 + noise * rng.standard_normal())
         row.update(median_s=t, mean_s=t, std_s=0.0, min_s=t, max_s=t, repeats=1)
-    return {"schema": PROFILE_SCHEMA, "kind": "measured", "name": "synthetic", "created_at": "2026-01-01T00:00:00+00:00",
+    return {"schema": PROFILE_SCHEMA, "kind": "measured", "name": "synthetic",
+            "created_at": "2026-01-01T00:00:00+00:00",
             "backend": "torch", "hardware": {"device": "cpu", "name": "test", "cores": 1, "memory_bytes": 2**30,
                                              "cache_bytes": CACHE},
             "software": {}, "model": SHAPE.to_dict(), "settings": {}, "kv_cache_bytes": 2**30, "measurements": rows}
@@ -177,9 +179,9 @@ def _broken(mutate) -> dict:
     (lambda p: p["measurements"][5].update(unique_kv_tokens=10**9), "measurements[5]"),
     (lambda p: p.update(measurements=[]), "measurements"),
     (lambda p: p["hardware"].pop("cache_bytes"), "hardware.cache_bytes"),
-    (lambda p: p["measurements"][-1].update(prefill_requests=0), r"measurements[%d].prefill_requests" % (_ROWS - 1)),
-    (lambda p: p["measurements"][_MIXED].pop("new_tokens"), "measurements[%d].new_tokens: missing" % _MIXED),
-    (lambda p: p["measurements"][_MIXED].pop("attention"), "measurements[%d].attention: missing" % _MIXED),
+    (lambda p: p["measurements"][-1].update(prefill_requests=0), rf"measurements[{_ROWS - 1}].prefill_requests"),
+    (lambda p: p["measurements"][_MIXED].pop("new_tokens"), f"measurements[{_MIXED}].new_tokens: missing"),
+    (lambda p: p["measurements"][_MIXED].pop("attention"), f"measurements[{_MIXED}].attention: missing"),
     (lambda p: p["measurements"][0].update(phase="chunk"), r"measurements[0].phase"),
 ])
 def test_validation_names_the_bad_field(mutate, field):
@@ -271,7 +273,8 @@ def test_hardware_profile_is_the_vllm_cpu_profile_without_a_gpu(monkeypatch):
 def test_cpu_profile_is_measured_by_the_torch_backend():
     profile = load_profile(PROFILE_DIR / "cpu.json")
     assert profile["kind"] == "measured" and profile["backend"] == "torch"
-    assert {row["attention"] for row in profile["measurements"] if row["phase"] == "decode"} == {"per_request", "cascade"}
+    assert {row["attention"] for row in profile["measurements"] if row["phase"] == "decode"} \
+        == {"per_request", "cascade"}
     assert any(row["phase"] == "prefill" for row in profile["measurements"])
 
 

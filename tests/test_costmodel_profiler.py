@@ -191,5 +191,6 @@ def test_vllm_backend_times_controlled_steps_of_the_real_engine():
     assert decode["phase"] == "decode" and decode["repeats"] == 2 and decode["unique_kv_tokens"] == 256 + 2 * 16
     assert (prefill["new_tokens"], prefill["cached_tokens"], prefill["prefill_requests"]) == (16, 256, 1)
     assert (burst["new_tokens"], burst["prefill_requests"]) == (16, 3)
-    assert mixed["phase"] == "mixed" and (mixed["batch_size"], mixed["new_tokens"], mixed["cached_tokens"]) == (2, 16, 128)
+    assert mixed["phase"] == "mixed" and (mixed["batch_size"], mixed["new_tokens"], mixed["cached_tokens"]) \
+        == (2, 16, 128)
     assert all(r["median_s"] > 0 and r["wall_median_s"] > 0 for r in profile["measurements"])

@@ -312,7 +312,8 @@ def test_async_scheduler_variant_shares_the_mixin():
 
     from deploy.scheduler import FeatherAsyncScheduler, FeatherScheduler, FeatherSchedulingMixin
 
-    assert issubclass(FeatherAsyncScheduler, AsyncScheduler) and issubclass(FeatherAsyncScheduler, FeatherSchedulingMixin)
+    assert issubclass(FeatherAsyncScheduler, AsyncScheduler)
+    assert issubclass(FeatherAsyncScheduler, FeatherSchedulingMixin)
     assert issubclass(FeatherScheduler, Scheduler) and not issubclass(FeatherScheduler, AsyncScheduler)
     # The mixin's overrides come first in both: schedule() opens the admission window.
     for cls in (FeatherScheduler, FeatherAsyncScheduler):

@@ -66,7 +66,7 @@ def test_an_empty_slot_is_stop_in_the_simulator():
 
     trace = traces.resolve_workload("prefix-groups:groups=2,num_requests=40,rate=200", seed=0)
     sim = Simulator(trace, load_cost_model("h200"), CHTOrder(), num_candidates=4)
-    while len((point := sim.next_admission()).candidates) == 4:
+    while len(sim.next_admission().candidates) == 4:
         sim.apply(ADD)
     running, step = set(sim.running), sim.step
     sim.apply(4)                                            # slot 3 is empty

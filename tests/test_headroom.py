@@ -9,7 +9,8 @@ from feather_cli.main import main
 
 @pytest.mark.slow
 def test_headroom_pairs_the_playout_and_a_policy_with_the_rule(capsys):
-    assert main(["bench", "headroom", "--profile", "vllm-cpu", "--seeds", "2", "--policy", "feather-rule", "--json"]) == 0
+    assert main(["bench", "headroom", "--profile", "vllm-cpu", "--seeds", "2",
+                 "--policies", "feather-rule", "--json"]) == 0
     out = capsys.readouterr().out
     report = json.loads(out.strip().splitlines()[-1])
     assert "rule_playout_sampled" in out.splitlines()[1]                    # a column of the table

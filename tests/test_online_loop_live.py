@@ -61,7 +61,8 @@ def test_every_computing_step_is_logged_with_its_composition_and_time(llm, trace
     # the composition accounts for every token: one prefill per request (nothing preempted here), then decodes
     assert result.meter.preemptions == 0
     assert sum(s.decode_requests for s in ring) == sum(r.output_len - 1 for r in trace)
-    assert sum(new for s in ring for new, _ in s.prefill_chunks) == sum(r.input_len for r in trace) - result.cached_tokens
+    assert sum(new for s in ring for new, _ in s.prefill_chunks) \
+        == sum(r.input_len for r in trace) - result.cached_tokens
     assert sum(1 for s in ring for _ in s.prefill_chunks) == len(trace)
     assert any(s.decode_unique_kv_tokens < s.decode_kv_tokens for s in ring)          # shared prefixes decoded
     assert all(s.step_wall_s > 0 and s.step_cpu_s > 0 for s in ring)

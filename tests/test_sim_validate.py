@@ -192,7 +192,8 @@ def test_ratios_to_first_and_across_seeds_share_one_definition_on_both_sides():
     # A pair the simulator ties makes no claim on the live order; one it separates does.
     tied = compare_sides(sim_side(10.0, 10.0 * (1 + RANKING_TIE / 2)), live_side(5.0, 4.5, [[1, 2, 5]]))
     assert tied["same_ranking"] and tied["targets_met"]["ranking"]
-    assert not compare_sides(sim_side(10.0, 10.0 * (1 + 2 * RANKING_TIE)), live_side(5.0, 4.5, [[1, 2, 5]]))["same_ranking"]
+    assert not compare_sides(sim_side(10.0, 10.0 * (1 + 2 * RANKING_TIE)),
+                         live_side(5.0, 4.5, [[1, 2, 5]]))["same_ranking"]
     summary = across_seeds({"0": faster, "1": slower})
     assert summary["num_seeds"] == 2 and summary["seeds_same_ranking"] == 1
     assert summary["same_first_step_fraction"] == {"fcfs": 1.0,

@@ -46,7 +46,8 @@ def test_trace_file_eval_part_is_disjoint_from_and_later_than_training(trace_fil
 
 def test_trace_file_parts_ignore_the_seed(trace_file):
     spec = split_spec(trace_file, "eval")
-    assert [r.request_id for r in resolve_workload(spec, seed=1)] == [r.request_id for r in resolve_workload(spec, seed=2)]
+    ids = [r.request_id for r in resolve_workload(spec, seed=1)]
+    assert ids == [r.request_id for r in resolve_workload(spec, seed=2)]
 
 
 @pytest.mark.skipif(traces.shared_trace_path("mooncake_conversation_trace.jsonl") is None,

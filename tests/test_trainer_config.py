@@ -96,7 +96,8 @@ def test_the_cpu_mix_has_every_generators_shape():
 
 @pytest.mark.parametrize("suffix,text", [
     (".yaml", "workloads: [no-sharing, 'prefix-groups:groups=3']\niterations: 4\nseed: 7\nhidden_sizes: [32, 32]\n"),
-    (".toml", "workloads = ['no-sharing', 'prefix-groups:groups=3']\niterations = 4\nseed = 7\nhidden_sizes = [32, 32]\n"),
+    (".toml", "workloads = ['no-sharing', 'prefix-groups:groups=3']\n"
+     "iterations = 4\nseed = 7\nhidden_sizes = [32, 32]\n"),
 ])
 def test_config_file_then_flags(tmp_path, suffix, text):
     path = tmp_path / f"train{suffix}"
@@ -150,7 +151,8 @@ def test_bad_training_settings_name_the_setting(settings, message):
 def test_resume_from_a_corrupted_checkpoint_fails_before_training(tmp_path, capsys):
     checkpoint = tmp_path / "checkpoint"
     (checkpoint / "learner_group" / "learner" / "rl_module" / "default_policy").mkdir(parents=True)
-    (checkpoint / "learner_group" / "learner" / "rl_module" / "default_policy" / "class_and_ctor_args.pkl").write_bytes(b"\x80\x05trunc")
+    module = checkpoint / "learner_group" / "learner" / "rl_module" / "default_policy"
+    (module / "class_and_ctor_args.pkl").write_bytes(b"\x80\x05trunc")
     assert main(["--resume", str(checkpoint), "--output", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert "feather-train: error: checkpoint" in err and "not a readable RLlib checkpoint" in err

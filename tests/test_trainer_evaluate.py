@@ -6,8 +6,8 @@ import pytest
 import traces
 from feather_gym.policies import BASELINES, make_policy
 from trainer.evaluate import (
-    TARGET_TOLERANCE,
     POLICY_LABEL,
+    TARGET_TOLERANCE,
     TIE_TOLERANCE,
     Benchmark,
     format_table,
@@ -108,7 +108,8 @@ def test_slower_workloads_pairs_two_evaluations_of_one_benchmark(heavy_bench):
 def test_beyond_a_reference_counts_only_differences_beyond_noise():
     def result(spec, mean, sem):
         pair = {"ratio_mean": mean, "ratio_sem": sem, "runs_faster": 0, "runs_slower": 0}
-        return {"workload": spec, "trained_over_reference": {"clone": mean}, "trained_over_reference_paired": {"clone": pair}}
+        return {"workload": spec, "trained_over_reference": {"clone": mean},
+                "trained_over_reference_paired": {"clone": pair}}
 
     clone = beyond({"workloads": [result("learned", 1.01, 0.004), result("noise", 1.01, 0.006),
                                   result("lost", 0.99, 0.001), result("tie", 1 + TIE_TOLERANCE / 2, 0.0)]}, "clone")

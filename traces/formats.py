@@ -307,4 +307,5 @@ def detect_format(path: str, first_line: str, lineno: int) -> LineFormat:
     if first_line.lstrip().startswith("{"):
         json_object(path, first_line, lineno)  # a malformed first line is named as such
     raise TraceFormatError(path, lineno, None, "unrecognised trace format: expected a feather-trace header, "
-                           "a Mooncake record with hash_ids, a plain record with token_ids, or the Azure CSV header " + ",".join(AZURE_COLUMNS))
+                           "a Mooncake record with hash_ids, a plain record with token_ids, or the Azure CSV header "
+                           + ",".join(AZURE_COLUMNS))

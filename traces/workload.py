@@ -67,7 +67,8 @@ ENGINE_SIZED_SHAPES = {
     "tool-agent": ("tool-agent:num_requests=48,system_tokens=128,tool_pool=16,tools_per_task=3,tool_tokens_min=32,"
                    "tool_tokens_max=96,call_output_tokens_min=8,call_output_tokens_max=32,observation_tokens_min=16,"
                    "observation_tokens_max=64,task_rate=1000,call_gap_s=0.001"),
-    "multi-turn": "multi-turn-chat:num_requests=48,user_tokens_mean=48,assistant_tokens_mean=64,rate=1000,think_time_s=0.001",
+    "multi-turn": "multi-turn-chat:num_requests=48,user_tokens_mean=48,assistant_tokens_mean=64,"
+                  "rate=1000,think_time_s=0.001",
 }
 #: The CPU training mix: every generator's shape on the CPU engine, :data:`ENGINE_SIZED_WORKLOADS`
 #: then :data:`ENGINE_SIZED_SHAPES`, in the regime the live benches serve them by default.

@@ -194,7 +194,8 @@ class TrainConfig:
             raise ValueError(f"num_env_runners must be >= 0 and envs_per_env_runner >= 1, got "
                              f"{self.num_env_runners} and {self.envs_per_env_runner}")
         if self.minibatch_size > self.train_batch_size:
-            raise ValueError(f"minibatch_size ({self.minibatch_size}) exceeds train_batch_size ({self.train_batch_size})")
+            raise ValueError(f"minibatch_size ({self.minibatch_size}) "
+                             f"exceeds train_batch_size ({self.train_batch_size})")
         if self.resume is not None:
             if not Path(self.resume).is_dir():
                 raise FileNotFoundError(f"resume: checkpoint directory {self.resume} does not exist")

@@ -97,7 +97,8 @@ class Benchmark:
             best = max((n for n in self.baselines[spec] if n not in REFERENCE_ONLY), key=mean.get)
             target, needed, tolerance = f">= best heuristic ({best})", mean[best], TIE_TOLERANCE
         else:
-            target, needed, tolerance = f">= {1 - NO_SHARING_TOLERANCE:.2f} x fcfs", (1 - NO_SHARING_TOLERANCE) * fcfs, 0.0
+            target, needed, tolerance = f">= {1 - NO_SHARING_TOLERANCE:.2f} x fcfs", \
+                (1 - NO_SHARING_TOLERANCE) * fcfs, 0.0
         target_tolerance = TARGET_TOLERANCE if sharing else 0.0    # no sharing: the FCFS bound is the target itself
         return {
             "workload": spec,
@@ -124,7 +125,8 @@ class Benchmark:
         later evaluation on the same benchmark can be paired with this one."""
         results = []
         for spec in self._runs:
-            per_run = {label: self.runs(spec, other) for label, other in {**(references or {}), POLICY_LABEL: policy}.items()}
+            per_run = {label: self.runs(spec, other)
+                       for label, other in {**(references or {}), POLICY_LABEL: policy}.items()}
             figures = {label: _means(runs) for label, runs in per_run.items()}
             throughput = {label: run.pop("throughput_tok_s") for label, run in figures.items()}
             trained = throughput.pop(POLICY_LABEL)
@@ -166,7 +168,8 @@ def slower_workloads(evaluation: dict, reference: dict) -> list[str]:
     :meth:`Benchmark.evaluate` results of one benchmark."""
     start = {result["workload"]: result["trained_runs_tok_s"] for result in reference["workloads"]}
     return [result["workload"] for result in evaluation["workloads"]
-            if paired_sign(paired_ratio(np.array(result["trained_runs_tok_s"]), np.array(start[result["workload"]]))) < 0]
+            if paired_sign(paired_ratio(np.array(result["trained_runs_tok_s"]),
+                                        np.array(start[result["workload"]]))) < 0]
 
 
 def validation_score(evaluation: dict) -> tuple[float, float]:

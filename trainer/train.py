@@ -277,7 +277,7 @@ def train(config: TrainConfig, *, progress: Callable[[str], None] = print) -> di
     out = Path(config.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     progress(f"feather-train: profile {config.profile}, workloads {', '.join(config.workloads)}, "
-             f"{'%d iterations' % config.iterations if config.iterations else 'budget %.0f s' % config.time_budget_s}, "
+             f"{f'{config.iterations} iterations' if config.iterations else f'budget {config.time_budget_s:.0f} s'}, "
              f"output {out}")
 
     job_start = time.monotonic()

@@ -199,8 +199,8 @@ def clone_into(module, demos: Demonstrations, *, epochs: int = 30, batch_size: i
 
 def warm_start(algo, policy_name: str, env_config: dict, *, smoothing: float = 0.0,
                min_gain: float | None = None) -> dict:
-    """Record ``policy_name`` in the env (with ``min_gain``, its playout-improved labels), clone it into every learner's module, and push the weights to the env runners.
-    Returns a report for the run summary."""
+    """Record ``policy_name`` in the env (with ``min_gain``, its playout-improved labels), clone it
+    into every learner's module, and push the weights to the env runners. Returns a report for the run summary."""
     from ray.rllib.core import DEFAULT_MODULE_ID
 
     start = time.monotonic()

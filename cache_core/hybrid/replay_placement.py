@@ -372,11 +372,12 @@ def storage_on_workload(depths, *, page_tokens: int, state_bytes: int, bytes_per
 
     def dp_at(per_token: float) -> dict:
         a = [a for a in allocations if a["bytes"] <= per_token * copies.sum() * page_tokens][-1]
-        return {"states": a["states"], "state_copies": a["copies"], "expected_recompute_tokens": recompute(a["at_exact"])}
+        return {"states": a["states"], "state_copies": a["copies"],
+                "expected_recompute_tokens": recompute(a["at_exact"])}
 
     return {"horizon_blocks": n, "cached_pages": int(copies.sum()),
             "mean_overlap_tokens": float(depths.mean() * page_tokens),
             "hit_fraction": float(np.mean(depths > 0)), "replay_every_page_recompute_tokens": 0.0,
-            **{f"checkpoint_every_{t}_recompute_tokens": recompute(resume_positions(TokenGrid(t, page_tokens).place(n, n),
-                                                                                  depths)) for t in (8192, 256)},
+            **{f"checkpoint_every_{t}_recompute_tokens":
+               recompute(resume_positions(TokenGrid(t, page_tokens).place(n, n), depths)) for t in (8192, 256)},
             "dp_at_equal_bytes": [dp_at(b) for b in bytes_per_token]}

@@ -70,7 +70,8 @@ def clip_lengths(trace, *, max_input_tokens: int | None, max_output_tokens: int 
     requests = []
     for r in trace:
         tokens = r.tokens()[:max_input_tokens]
-        requests.append(Request(r.request_id, r.arrival_s, len(tokens), min(r.output_len, max_output_tokens or r.output_len),
+        requests.append(Request(r.request_id, r.arrival_s, len(tokens),
+                                min(r.output_len, max_output_tokens or r.output_len),
                                 token_ids=tokens, session=r.session, group=r.group))
     return Trace(trace.name, requests, source=f"{trace.source} clipped to {max_input_tokens}/{max_output_tokens}")
 

@@ -147,7 +147,8 @@ def format_loop_report(report: dict) -> str:
     for name, w in report["workloads"].items():
         sides = w["sides"]
         lines.append(f"{name}: tok/s vllm {sides['vllm']['output_tok_s']:.1f}, "
-                     f"before {sides['before']['output_tok_s']:.1f}, after {sides['after']['output_tok_s']:.1f}; after/before {w['after_vs_before']['mean']:.3f} "
+                     f"before {sides['before']['output_tok_s']:.1f}, after {sides['after']['output_tok_s']:.1f}; "
+                     f"after/before {w['after_vs_before']['mean']:.3f} "
                      f"(rounds {w['after_vs_before']['min']:.3f}-{w['after_vs_before']['max']:.3f}), "
                      f"after/vllm {w['after_vs_vllm']['mean']:.3f}")
     return "\n".join(lines)

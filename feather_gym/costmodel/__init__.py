@@ -1,7 +1,8 @@
 """Cost model of an LLM engine step: profile real decode steps, fit a physically shaped model.
 
 Public API: :class:`DecodeBatch`, :class:`CostModel`, :func:`load_cost_model`,
-:data:`SHIPPED_PROFILES`, :func:`hardware_profile`. Profiling backends (torch, vllm) and the CLI import torch/vllm lazily.
+:data:`SHIPPED_PROFILES`, :func:`hardware_profile`. The profiling backends (torch, vllm) import
+torch and vllm lazily.
 """
 
 from .features import DecodeBatch

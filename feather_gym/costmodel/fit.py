@@ -134,7 +134,8 @@ def cross_validate(profile: dict, cascade: bool, folds: int = 5, seed: int = 0) 
     """
     rows = measurement_rows(profile, cascade)
     if len(rows) < 2 * folds:
-        raise ValueError(f"profile {profile['name']!r}: {len(rows)} measurements are too few for {folds}-fold validation")
+        raise ValueError(f"profile {profile['name']!r}: {len(rows)} "
+                         f"measurements are too few for {folds}-fold validation")
     shape = ModelShape.from_dict(profile["model"])
     cache = profile["hardware"]["cache_bytes"]
     fold_of = np.random.default_rng(seed).permutation(len(rows)) % folds

@@ -120,7 +120,8 @@ class CostModel:
             "name": self.name, "kind": self.kind, "cascade": self.cascade, "model": self.model_shape.name,
             "fixed_ms": c["fixed"] * 1e3,
             # the fixed cost includes the weight read: weight bytes / fixed is a lower bound of its bandwidth
-            "weight_bytes_s_lower_bound": self.model_shape.weight_bytes / c["fixed"] if c["fixed"] > 0 else None, "per_sequence_us": c["tokens"] * 1e6, "prefix_pass_us": c["prefix_passes"] * 1e6,
+            "weight_bytes_s_lower_bound": self.model_shape.weight_bytes / c["fixed"] if c["fixed"] > 0 else None,
+            "per_sequence_us": c["tokens"] * 1e6, "prefix_pass_us": c["prefix_passes"] * 1e6,
             "kv_dram_bytes_s": rate("kv_dram_bytes"), "kv_hit_bytes_s": rate("kv_hit_bytes"),
             "attn_flops_s": rate("attn_flops"), "prefill_token_us": c["prefill_tokens"] * 1e6,
             "prefill_attn_flops_s": rate("prefill_attn_flops"), "cache_bytes_effective": self.cache_bytes,

@@ -127,7 +127,8 @@ class TorchStepRunner:
         self.head = rand(s.hidden, s.vocab, scale=w)
         self.final_norm = rand(s.hidden)
         self.scale = 1.0 / math.sqrt(s.head_dim)
-        self.clock = time.thread_time if self.device.type == "cpu" and torch.get_num_threads() == 1 else time.perf_counter
+        self.clock = time.thread_time if self.device.type == "cpu" and torch.get_num_threads() == 1 \
+            else time.perf_counter
 
     def synchronize(self) -> None:
         if self.device.type == "cuda":
@@ -158,7 +159,8 @@ class TorchStepRunner:
         torch = self.torch
         b, kvh, per_kv, d = q.shape
         if not cascade:
-            parts = [self._attend(q[i:i + 1], k_prefix[i % groups: i % groups + 1], v_prefix[i % groups: i % groups + 1])
+            parts = [self._attend(q[i:i + 1], k_prefix[i % groups: i % groups + 1],
+                                  v_prefix[i % groups: i % groups + 1])
                      for i in range(b)]
             return torch.cat([o for o, _ in parts]), torch.cat([lse for _, lse in parts])
         out = torch.empty_like(q)
@@ -280,7 +282,8 @@ def _measure(runner: TorchStepRunner, decode_points: list[DecodePoint], prefill_
                                  **_stats(samples[cascade])})
         if progress:
             progress(f"decode {index + 1}/{len(decode_points)} {point}: per_request "
-                     f"{measurements[-2]['median_s'] * 1e3:.1f} ms, cascade {measurements[-1]['median_s'] * 1e3:.1f} ms")
+                     f"{measurements[-2]['median_s'] * 1e3:.1f} ms, "
+                     f"cascade {measurements[-1]['median_s'] * 1e3:.1f} ms")
     for new, cached in prefill_points:
         for _ in range(warmup):
             runner.prefill_step_s(new, cached)

@@ -415,7 +415,8 @@ def _prefill_rows(point: PrefillPoint, samples: list, others_cores: float) -> li
 
 
 def _mixed_rows(point: MixedPoint, per_chunk: list, others_cores: float) -> list[dict]:
-    return [{"phase": "mixed", **_decode_fields(point.decode), **_prefill_fields(chunk), **_timing(samples, others_cores)}
+    return [{"phase": "mixed", **_decode_fields(point.decode), **_prefill_fields(chunk),
+            **_timing(samples, others_cores)}
             for chunk, samples in zip(point.chunks, per_chunk)]
 
 
@@ -499,7 +500,8 @@ def run_vllm_profile(model: str = "smollm2-135m", device: str = "cpu", *, quick:
 
     tasks = [Task(f"decode {i + 1}/{len(decode_points)} {p}", partial(driver.decode_times, p, repeats),
                   partial(_decode_rows, p)) for i, p in enumerate(decode_points)]
-    tasks += [Task(f"prefill {p}", partial(driver.prefill_times, p, prefill_repeats(p.requests * p.new_tokens, repeats)),
+    tasks += [Task(f"prefill {p}", partial(driver.prefill_times, p,
+                                                                   prefill_repeats(p.requests * p.new_tokens, repeats)),
                    partial(_prefill_rows, p)) for p in prefill_points]
     tasks += [Task(f"mixed {p.decode} + {len(p.chunks)} chunks", partial(driver.mixed_times, p, repeats),
                    partial(_mixed_rows, p)) for p in mixed_points]
@@ -512,7 +514,8 @@ def run_vllm_profile(model: str = "smollm2-135m", device: str = "cpu", *, quick:
         "software": {"python": platform.python_version(), "torch": torch.__version__, "vllm": vllm.__version__},
         "model": shape.to_dict(),
         "settings": {"clock": clock.__name__, "threads": threads, "enforce_eager": True, "prefix_caching": True,
-                     "engine_env": ENGINE_ENV, "max_num_seqs": limits.max_num_seqs, "max_model_len": limits.max_model_len,
+                     "engine_env": ENGINE_ENV,
+                     "max_num_seqs": limits.max_num_seqs, "max_model_len": limits.max_model_len,
                      "kv_blocks": limits.num_blocks, "timed_steps_per_point": repeats,
                      "settle_steps": SETTLE_STEPS, "homogeneity_point": list(VLLM_HOMOGENEITY), "quick": quick,
                      "load_tolerance_cores": LOAD_TOLERANCE, "load_retries": LOAD_RETRIES,

@@ -10,13 +10,12 @@ composition rule).
 
 :func:`refit_profile` holds out ``held_out_fraction`` of the usable steps: a random draw
 (``split="random"``, seeded: steps of the workloads the fit sees) or the latest ones in log time
-order across all logs (``split="time"``: the future, which may be another workload). It fits :func:`fit.fit_rows` on the earlier
-live steps (plus the base profile's rows with ``with_base``: they cover compositions the live
-run may not have seen, but pull the fit toward the base where the engine differs), and reports the mean
-absolute percentage error on the held-out steps before (the base profile's model) and after
-(the refit). The profile it returns holds exactly the rows of that fit, so loading it
-(``--profile NEW.json``) gives the model the report describes.
-"""
+order across all logs (``split="time"``: the future, which may be another workload). It fits
+:func:`fit.fit_rows` on the earlier live steps (plus the base profile's rows with ``with_base``:
+they cover compositions the live run may not have seen, but pull the fit toward the base where the
+engine differs), and reports the mean absolute percentage error on the held-out steps before (the
+base profile's model) and after (the refit). The profile it returns holds exactly the rows of that
+fit, so loading it (``--profile NEW.json``) gives the model the report describes."""
 
 from __future__ import annotations
 
@@ -156,7 +155,8 @@ def refit_profile(base: dict, steps: list[LiveStep], *, clock: str | None = None
     base_rows = [] if not with_base or base["kind"] != "measured" else measurement_rows(base, cascade=False)
     coefficients, cache_bytes = fit_rows(base_rows + train, shape, base["hardware"]["cache_bytes"], cascade=False)
     before = cost_model_from_profile(base)
-    report = {"base_profile": base["name"], "clock": clock, "split": split, "logged_steps": len(steps), "usable_steps": len(rows),
+    report = {"base_profile": base["name"], "clock": clock, "split": split,
+              "logged_steps": len(steps), "usable_steps": len(rows),
               "unlike_chunk_steps": len(steps) - len(rows), "fit_live_steps": len(train),
               "fit_base_rows": len(base_rows), "held_out_steps": len(test)}
     for when, (coef, cache) in {"before": (dict(before.coefficients), before.cache_bytes),
@@ -165,7 +165,9 @@ def refit_profile(base: dict, steps: list[LiveStep], *, clock: str | None = None
     report["coefficients_after"] = coefficients
     profile = {**base, "kind": "measured", "name": name or f"{base['name']}-refit",
                "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
-               "settings": {**base["settings"], "refit": {k: v for k, v in report.items() if k != "coefficients_after"}},
+               "settings": {**base["settings"],
+                                                   "refit": {k: v for k, v in report.items()
+                                                             if k != "coefficients_after"}},
                "measurements": base_rows + train}
     for key in ("coefficients", "cache_bytes_effective"):   # an analytic base's: the rows replace them
         profile.pop(key, None)

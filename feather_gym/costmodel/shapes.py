@@ -40,9 +40,11 @@ class ModelShape:
             if not isinstance(getattr(self, field), int) or getattr(self, field) < 1:
                 raise ValueError(f"model shape {self.name!r}: {field} must be a positive integer")
         if self.heads % self.kv_heads:
-            raise ValueError(f"model shape {self.name!r}: heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
+            raise ValueError(f"model shape {self.name!r}: heads ({self.heads}) "
+                             f"must be a multiple of kv_heads ({self.kv_heads})")
         if self.dtype not in DTYPE_BYTES:
-            raise ValueError(f"model shape {self.name!r}: dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
+            raise ValueError(f"model shape {self.name!r}: "
+                             f"dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
 
     @property
     def dtype_bytes(self) -> int:

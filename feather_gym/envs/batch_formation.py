@@ -66,7 +66,8 @@ def workload_set(specs: tuple[str, ...], seed: int, instances: int, engine: Engi
     """The shared :class:`WorkloadSet` of a configuration. ``profile`` is part of the key because
     the windows' baseline runs depend on it (a profile file is assumed not to change while the
     process runs)."""
-    built = [traces.resolve_workload(spec, seed=seed + i) for spec in specs for i in range(instances_of(spec, instances))]
+    built = [traces.resolve_workload(spec, seed=seed + i)
+             for spec in specs for i in range(instances_of(spec, instances))]
     return WorkloadSet(built, [trace_digests(trace, engine.block_size) for trace in built])
 
 
@@ -158,7 +159,8 @@ class BatchFormationEnv(gym.Env):
     ## Arguments
     ``gym.make("feather_gym/BatchFormation-v0", **config)`` or ``BatchFormationEnv(env_config)``
     (RLlib style); keys (defaults in ``DEFAULT_CONFIG``): ``workloads`` (workload specs for
-    ``traces.resolve_workload``), ``profile`` (cost model name or file; None: ``hardware_profile()``), ``seed`` (workload
+    ``traces.resolve_workload``), ``profile`` (cost model name or file; None: ``hardware_profile()``),
+    ``seed`` (workload
     generation, and the episode stream unless ``reset(seed=...)``), ``window_requests``,
     ``max_decisions`` (0: no limit), ``token_budget`` (None: the
     profile's), ``max_num_seqs``, ``max_wait_steps`` (the admission's waiting-time bound in engine steps, as deployed),

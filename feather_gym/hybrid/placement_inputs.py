@@ -43,7 +43,8 @@ def load_replay(path: str, model: str | None, *, method: str, replay_tokens: int
 
 #: Prefill-time profiles shipped with the package (``--prefill-profile NAME``), measured on the
 #: trained hybrid model on the development machine (see the README).
-SHIPPED_PREFILL = {"hybrid-vllm-cpu": "prefill-hybrid-vllm-cpu.json", "hybrid-torch-cpu": "prefill-hybrid-torch-cpu.json"}
+SHIPPED_PREFILL = {"hybrid-vllm-cpu": "prefill-hybrid-vllm-cpu.json",
+                   "hybrid-torch-cpu": "prefill-hybrid-torch-cpu.json"}
 
 
 def load_prefill(path: str):

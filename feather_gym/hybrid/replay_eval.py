@@ -320,7 +320,8 @@ def print_report(report: dict) -> None:
         print(f"  on {w['spec']} (page-sized blocks, horizon {w['horizon_blocks']}, {w['cached_pages']} pages hit, "
               f"mean overlap "
               f"{w['mean_overlap_tokens']:.0f} tokens), recomputed tokens per request: anchors on every page "
-              f"{w['replay_every_page_recompute_tokens']:.0f}, ckpt-8192 {w['checkpoint_every_8192_recompute_tokens']:.0f}, "
+              f"{w['replay_every_page_recompute_tokens']:.0f}, "
+              f"ckpt-8192 {w['checkpoint_every_8192_recompute_tokens']:.0f}, "
               f"ckpt-256 {w['checkpoint_every_256_recompute_tokens']:.0f}")
     for row in s["rows"]:
         dp = (f"; DP at equal bytes: {row['dp_states_at_equal_bytes']} depths "
