@@ -86,3 +86,18 @@ def test_fine_tune_a_tiny_run_on_another_profile(tmp_path, monkeypatch, capsys):
     history = [v["iteration"] for v in summary["validation"]["history"]]
     assert len(history) == 2 and history[1] == history[0] + 1
     assert (tmp_path / "tuned" / "policy.onnx").stat().st_size > 0
+
+
+@pytest.mark.train
+@pytest.mark.timeout(420)
+def test_the_online_loop_fine_tunes_through_the_trainers_api_in_its_own_process(tmp_path, monkeypatch):
+    from deploy.bench.loop import fine_tune
+
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    train(TrainConfig(**TINY, profile="h100", iterations=1, output_dir=tmp_path / "first"), progress=print)
+    policy = fine_tune(tmp_path / "first", "a100", tmp_path / "tuned", time_budget_s=5)
+    assert policy == tmp_path / "tuned" / "policy.onnx" and policy.stat().st_size > 0
+    summary = json.loads((tmp_path / "tuned" / "summary.json").read_text())
+    assert summary["config"]["profile"] == "a100" and summary["config"]["time_budget_s"] == 5
+    with pytest.raises(RuntimeError, match="fine-tuning"):
+        fine_tune(tmp_path / "nowhere", "a100", tmp_path / "never", time_budget_s=5)

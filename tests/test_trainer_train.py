@@ -81,8 +81,10 @@ def test_tiny_training_run_exports_a_valid_policy(tmp_path, capsys, monkeypatch)
         assert result["ratio_to_fcfs"]["fcfs"] == 1.0 and result["throughput_tok_s"]["trained"] > 0
     assert result_a["target"].startswith(">= best heuristic") and result_b["target"].endswith("x fcfs")
 
-    # `feather-train export` of the checkpoint writes the same network with the run's labels.
-    assert main(["export", "run/checkpoint", "-o", "again.onnx"]) == 0
+    # `feather export` of the checkpoint writes the same network with the run's labels.
+    from feather_cli.main import main as feather
+
+    assert feather(["export", "run/checkpoint", "-o", "again.onnx"]) == 0
     again = onnx.load(tmp_path / "again.onnx")
     assert {p.key: p.value for p in again.metadata_props} == meta
     obs = np.random.default_rng(1).uniform(0, 2, (33, len(FEATURE_NAMES))).astype(np.float32)
