@@ -11,7 +11,7 @@ import onnx
 import onnxruntime
 import pytest
 
-from feather_cli.train import main
+from feather_cli.main import main as feather
 from feather_gym.observation import FEATURE_NAMES, OBS_VERSION
 from feather_gym.policies import DEFAULT_MAX_WAIT_STEPS
 from trainer.config import TrainConfig
@@ -82,8 +82,6 @@ def test_tiny_training_run_exports_a_valid_policy(tmp_path, capsys, monkeypatch)
     assert result_a["target"].startswith(">= best heuristic") and result_b["target"].endswith("x fcfs")
 
     # `feather export` of the checkpoint writes the same network with the run's labels.
-    from feather_cli.main import main as feather
-
     assert feather(["export", "run/checkpoint", "-o", "again.onnx"]) == 0
     again = onnx.load(tmp_path / "again.onnx")
     assert {p.key: p.value for p in again.metadata_props} == meta
