@@ -73,3 +73,16 @@ def test_version(capsys):
         main(["--version"])
     assert exit_info.value.code == 0
     assert capsys.readouterr().out.startswith("feather-gym ")
+
+
+def test_the_installed_commands_point_at_the_cli_layer():
+    """``pyproject.toml``'s scripts name importable ``main`` functions of :mod:`feather_cli`."""
+    import importlib
+    import tomllib
+    from pathlib import Path
+
+    scripts = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]["scripts"]
+    assert set(scripts) == {"feather", "feather-train"}
+    for target in scripts.values():
+        module, _, name = target.partition(":")
+        assert module.startswith("feather_cli.") and callable(getattr(importlib.import_module(module), name))
