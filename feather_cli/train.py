@@ -160,7 +160,7 @@ def build_train_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="feather-train", description=TRAIN_HELP,
                                      epilog="Export a checkpoint: feather export CHECKPOINT -o policy.onnx.")
     add_train_arguments(parser)
-    old = parser.add_subparsers(dest="old_command", metavar="", required=False)
+    old = parser.add_subparsers(dest="old_command", required=False, help=argparse.SUPPRESS)
     add_export_arguments(old.add_parser("export", prog="feather-train export"))
     return parser
 
