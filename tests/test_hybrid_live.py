@@ -2,7 +2,7 @@
 
 The model is the trained hybrid when ``feather hybrid build`` has made it, else the tiny
 config (trained for seconds here; the warning says so). One engine for the module; rounds
-switch between vLLM's own scheduler and fresh plug-in instances (deploy.bench.harness).
+switch between vLLM's own scheduler and fresh plug-in instances (deploy.engine_rounds).
 """
 
 from __future__ import annotations
@@ -58,27 +58,39 @@ def test_engine_plugs_in_the_placement_scheduler_and_its_layout_matches_the_cach
     assert spec.block_size == layout.vllm_block_size()
 
 
-@live
-def test_dp_placement_serves_with_hits_within_its_budget_and_outputs_match_vllms(llm, trace):
+@pytest.fixture(scope="module")
+def state_pool_bytes(llm) -> int:
+    """Pool bytes of one kept state, read from the placement scheduler the engine started with."""
+    return llm.llm_engine.engine_core.engine_core.scheduler.state_pool_bytes
+
+
+@pytest.fixture(scope="module")
+def vllm_round(llm, trace, state_pool_bytes):
+    """One round of vLLM's own scheduler (installing it replaces the start-up scheduler, hence
+    ``state_pool_bytes`` first)."""
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from deploy.bench.harness import run_schedulers
+    from deploy.engine_rounds import run_round
+
+    return run_round(llm, trace, Scheduler, label="vllm", round_index=0)
+
+
+@live
+def test_dp_placement_serves_with_hits_within_its_budget_and_outputs_match_vllms(llm, trace, vllm_round,
+                                                                                 state_pool_bytes):
+    from deploy.engine_rounds import run_round
     from deploy.hybrid_placement import HybridPlacementConfig, HybridPlacementScheduler
 
-    state_bytes = llm.llm_engine.engine_core.engine_core.scheduler.state_pool_bytes
-    config = HybridPlacementConfig(placement="dp", state_budget_bytes=4 * state_bytes, checkpoints=4,
+    config = HybridPlacementConfig(placement="dp", state_budget_bytes=4 * state_pool_bytes, checkpoints=4,
                                    resolve_every=2)
-    result = run_schedulers(llm, trace, {"vllm": (Scheduler, {}),
-                                         "dp": (HybridPlacementScheduler, {"hybrid_config": config})},
-                            rounds=1, online=True)
-    dp = result["sides"]["dp"]
-    stats = dp["scheduler_stats_last_round"]
-    assert dp["requests_lost"] == 0 and result["sides"]["vllm"]["requests_lost"] == 0
-    assert dp["cached_prompt_tokens"] > 0                       # prefix hits resume from kept states
+    dp = run_round(llm, trace, HybridPlacementScheduler, label="dp", round_index=1, hybrid_config=config)
+    stats = dp.scheduler_stats
+    assert dp.lost == 0 and vllm_round.lost == 0
+    assert dp.cached_tokens > 0                                 # prefix hits resume from kept states
     assert stats["dp_solves"] > 0 and stats["chosen_positions_blocks"]
     assert 0 < stats["peak_states"] <= stats["max_states"] == 4
     # same prompts, greedy: a hit resumes from an exact state, so outputs equal vLLM's own
-    assert result["identical_outputs"] == len(trace)
+    assert len(dp.outputs) == len(trace) and dp.outputs == vllm_round.outputs
 
 
 @live
@@ -96,22 +108,18 @@ def test_hybrid_build_reports_the_training_and_the_layout(capsys):
 
 
 @live
-def test_the_feather_scheduler_composes_with_the_placement_plugin(llm, trace):
-    from vllm.v1.core.sched.scheduler import Scheduler
-
-    from deploy.bench.harness import run_schedulers
+def test_the_feather_scheduler_composes_with_the_placement_plugin(llm, trace, vllm_round):
+    from deploy.engine_rounds import run_round
     from deploy.hybrid_placement import FeatherHybridScheduler, HybridPlacementConfig
     from deploy.scheduler import FeatherConfig
 
-    sides = {"vllm": (Scheduler, {}),
-             "feather-hybrid": (FeatherHybridScheduler, {"feather_config": FeatherConfig(policy="feather-rule"),
-                                                         "hybrid_config": HybridPlacementConfig(resolve_every=2)})}
-    result = run_schedulers(llm, trace, sides, rounds=1, online=True)
-    side = result["sides"]["feather-hybrid"]
-    stats = side["scheduler_stats_last_round"]
-    assert side["requests_lost"] == 0 and side["cached_prompt_tokens"] > 0
+    side = run_round(llm, trace, FeatherHybridScheduler, label="feather-hybrid", round_index=2,
+                     feather_config=FeatherConfig(policy="feather-rule"),
+                     hybrid_config=HybridPlacementConfig(resolve_every=2))
+    stats = side.scheduler_stats
+    assert side.lost == 0 and side.cached_tokens > 0
     assert stats["admission"] == "PolicyAdmission" and stats["placement"] == "dp" and stats["dp_solves"] > 0
-    assert result["identical_outputs"] == len(trace)
+    assert len(side.outputs) == len(trace) and side.outputs == vllm_round.outputs
 
 
 @live

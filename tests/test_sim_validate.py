@@ -116,8 +116,8 @@ def assert_same_schedule(engine, policy: str, trace, online: bool) -> dict:
     steps, preemptions, waiting-time-bound admissions and prompt tokens served from the prefix
     cache, and (a Feather policy) as many decisions: the policy is asked at the same points, the
     deployed bound on. Returns the simulated side."""
-    from deploy.bench.harness import run_round
     from deploy.bench.validate import as_served, live_sides, simulated, simulated_engine
+    from deploy.engine_rounds import run_round
     from feather_gym.costmodel import load_cost_model
     from feather_gym.policies import DEFAULT_MAX_WAIT_STEPS
 
@@ -219,9 +219,9 @@ def test_the_live_benches_serve_the_training_mix_in_the_regime_it_trains_in():
     arrival times the training env and the simulated side of ``sim validate`` use."""
     import numpy as np
 
-    from deploy.bench.harness import DEFAULT_ONLINE
     from deploy.bench.serve import DEFAULT_WORKLOADS
     from deploy.bench.validate import as_served
+    from deploy.engine_rounds import DEFAULT_ONLINE
     from feather_cli.bench import submission
     from feather_cli.main import build_parser
     from traces import resolve_workload

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import time
 
-from deploy.bench.harness import DEFAULT_ONLINE, ideal_cached_tokens, kv_capacity, run_schedulers
+from deploy.bench.harness import ideal_cached_tokens, run_schedulers
+from deploy.engine_rounds import DEFAULT_ONLINE, kv_capacity
 from feather_gym.vllm_engine import resolve_kv_cache_gib, start_engine
 
 #: Engine-sized branching workloads (token counts for a 2-core CPU engine; see the module docstring).

@@ -27,15 +27,9 @@ from pathlib import Path
 
 import numpy as np
 
-from deploy.bench.harness import (
-    DEFAULT_BENCH_KV_CACHE_GIB,
-    DEFAULT_ONLINE,
-    kv_capacity,
-    ratio_stats,
-    run_round,
-    run_schedulers,
-)
+from deploy.bench.harness import DEFAULT_BENCH_KV_CACHE_GIB, ratio_stats, run_schedulers
 from deploy.bench.serve import DEFAULT_WORKLOADS
+from deploy.engine_rounds import DEFAULT_ONLINE, kv_capacity, run_round
 from feather_gym.vllm_engine import resolve_kv_cache_gib, start_engine
 
 DEFAULT_ROUNDS = 3
@@ -81,7 +75,7 @@ def online_loop(run: str, *, output: str, workloads: dict[str, str] | None = Non
                 kv_cache_gib: float | None = None, seed: int = 0, online: bool = DEFAULT_ONLINE,
                 time_scale: float = 1.0) -> dict:
     """The whole report (see the module docstring); every round submits as ``online`` and
-    ``time_scale`` say (:func:`deploy.bench.harness.submission_offsets`)."""
+    ``time_scale`` say (:func:`deploy.engine_rounds.submission_offsets`)."""
     from vllm.v1.core.sched.scheduler import Scheduler
 
     from deploy.scheduler import FeatherConfig, FeatherScheduler, load_deployable_policy

@@ -10,14 +10,8 @@ from __future__ import annotations
 
 import time
 
-from deploy.bench.harness import (
-    DEFAULT_BENCH_KV_CACHE_GIB,
-    DEFAULT_ONLINE,
-    clip_lengths,
-    ideal_cached_tokens,
-    kv_capacity,
-    run_schedulers,
-)
+from deploy.bench.harness import DEFAULT_BENCH_KV_CACHE_GIB, clip_lengths, ideal_cached_tokens, run_schedulers
+from deploy.engine_rounds import DEFAULT_ONLINE, kv_capacity
 from feather_gym.policies import DEFAULT_MAX_WAIT_STEPS
 from feather_gym.vllm_engine import resolve_kv_cache_gib, start_engine
 from traces.workload import ENGINE_SIZED_WORKLOADS

@@ -44,7 +44,7 @@ import dataclasses
 import logging
 import time
 
-from deploy.bench.harness import DEFAULT_ONLINE
+from deploy.engine_rounds import DEFAULT_ONLINE
 from feather_gym.policies import DEFAULT_MAX_WAIT_STEPS
 from traces.workload import ENGINE_SIZED_WORKLOADS
 
@@ -66,7 +66,7 @@ DEFAULT_WORKLOADS = {name: ENGINE_SIZED_WORKLOADS[name] for name in ("prefix-hea
 def as_served(trace, *, online: bool, time_scale: float):
     """``trace`` with the arrival times the live round submits it at (all 0 unless ``online``)."""
     import traces
-    from deploy.bench.harness import submission_offsets
+    from deploy.engine_rounds import submission_offsets
 
     offsets = submission_offsets(trace, online=online, time_scale=time_scale)
     requests = [dataclasses.replace(r, arrival_s=float(t)) for r, t in zip(trace, offsets)]
@@ -76,7 +76,7 @@ def as_served(trace, *, online: bool, time_scale: float):
 def simulated_engine(llm, *, max_wait_steps: int):
     """The simulator's :class:`~feather_gym.simulator.EngineConfig` of the started engine ``llm``:
     its token budget, ``max_num_seqs``, KV block size and KV capacity, and the admission's bound."""
-    from deploy.bench.harness import kv_capacity
+    from deploy.engine_rounds import kv_capacity
     from feather_gym.simulator import EngineConfig
 
     capacity = kv_capacity(llm)
@@ -193,7 +193,8 @@ def validate(workloads: dict[str, str], *, policies=DEFAULT_POLICIES, profile: s
              max_wait_steps: int = DEFAULT_MAX_WAIT_STEPS, max_input_tokens: int | None = None,
              max_output_tokens: int | None = None, seed: int = 0, num_seeds: int = 1) -> dict:
     """The whole report: one engine, and per workload and seed the simulator and the engine on every policy."""
-    from deploy.bench.harness import DEFAULT_BENCH_KV_CACHE_GIB, clip_lengths, kv_capacity, run_schedulers
+    from deploy.bench.harness import DEFAULT_BENCH_KV_CACHE_GIB, clip_lengths, run_schedulers
+    from deploy.engine_rounds import kv_capacity
     from feather_gym.costmodel import hardware_profile, load_cost_model
     from feather_gym.vllm_engine import resolve_kv_cache_gib, start_engine
     from traces import resolve_workload
