@@ -18,11 +18,14 @@ import time
 from cache_core.cht.bench import SGLANG_LPM_MAX_WAITING
 from deploy.bench.hybrid import DEFAULT_ROUNDS as HYBRID_ROUNDS
 from deploy.bench.loop import DEFAULT_ROUNDS as LOOP_ROUNDS
+from deploy.bench.scheduler import DEFAULT_WORKLOADS as SCHEDULER_WORKLOADS
+from deploy.bench.scheduler import STEP_LOGS, UNTRAINED_K4, SchedulerBenchConfig
 from deploy.bench.serve import DEFAULT_ROUNDS as SERVE_ROUNDS
 from feather_cli.options import (
     add_flag,
     add_json,
     add_output,
+    add_policies,
     add_submission,
     add_workloads,
     int_list,
@@ -36,7 +39,7 @@ from traces.chunk_hash import DEFAULT_CHUNK_SIZE
 
 
 def register(tree) -> None:
-    """Add ``feather bench serve|hybrid|loop|cht|env|policy|headroom`` and the old names' aliases."""
+    """Add ``feather bench serve|hybrid|loop|scheduler|cht|env|policy|headroom`` and the old names' aliases."""
     bench = tree.group("bench")
     for name, build, help_text, old in (
             ("serve", add_serve_arguments, "vLLM's own scheduler against the Feather scheduler on a live engine",
@@ -48,6 +51,10 @@ def register(tree) -> None:
                                          "scheduler, the policy before and the policy after", "serve loop")):
         build(bench.add_parser(name, help=help_text, description=help_text))
         tree.alias(old, f"bench {name}", build)
+
+    scheduler = bench.add_parser("scheduler", help="vLLM's own scheduler against the Feather classes, model-free: "
+                                                   "CPU time per step, per admission, burst rounds, step logs")
+    add_scheduler_arguments(scheduler)
 
     cht = bench.add_parser("cht", help="Chunked Hash Tree: add/find_best/activate/finish us, memory, speed-up over "
                                        "an SGLang LPM pass")
@@ -246,6 +253,50 @@ def bench_cht_command(args) -> int:
     if args.json:
         print(json.dumps(report))
     return 0
+
+
+def add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
+    default = SchedulerBenchConfig()
+    add_workloads(parser, "[NAME=]SPEC, repeatable; '{n}' and '{groups}' in a generator spec become the requests "
+                          "a run needs and W/64 (default: prefix-groups of 1.0-1.3K-token prompts in W/64 groups)")
+    parser.add_argument("--waiting", type=int_list, default=[default.waiting],
+                        help=f"waiting requests W, comma-separated (default {default.waiting})")
+    parser.add_argument("--block-sizes", type=int_list, default=[default.block_size],
+                        help=f"KV block sizes in tokens, comma-separated (default {default.block_size}, CUDA's)")
+    parser.add_argument("--max-num-seqs", type=int_list, default=[default.max_num_seqs],
+                        help=f"running limits, comma-separated (default {default.max_num_seqs})")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=default.max_num_batched_tokens,
+                        help=f"token budget per step (default {default.max_num_batched_tokens})")
+    parser.add_argument("--kv-cache-tokens", type=int, default=default.kv_cache_tokens,
+                        help=f"KV cache size in tokens (default {default.kv_cache_tokens})")
+    parser.add_argument("--steps", type=int, default=default.steps,
+                        help=f"steady-state steps per run (default {default.steps})")
+    parser.add_argument("--pipelined", action="store_true",
+                        help="async scheduling: vLLM's AsyncScheduler and FeatherAsyncScheduler, the next step "
+                             "scheduled before the previous one's output is applied")
+    add_policies(parser, f"feather-rule,cht,{UNTRAINED_K4}",
+                 f"Feather policies, comma-separated: feather-rule, cht, *.onnx, or {UNTRAINED_K4} (an untrained "
+                 "k = 4 network that always admits)")
+    parser.add_argument("--step-logs", default=",".join(STEP_LOGS),
+                        help=f"step-log modes of each Feather side, comma-separated among {','.join(STEP_LOGS)} "
+                             f"(default all)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs per side, in rotated order; figures are medians (default 1)")
+    add_json(parser)
+    parser.set_defaults(func=bench_scheduler_command)
+
+
+def bench_scheduler_command(args) -> int:
+    from deploy.bench.scheduler import bench_schedulers, format_report
+
+    workloads = parse_workloads(args.workload) or SCHEDULER_WORKLOADS
+    configs = [SchedulerBenchConfig(waiting=w, block_size=b, max_num_seqs=m,
+                                    max_num_batched_tokens=args.max_num_batched_tokens,
+                                    kv_cache_tokens=args.kv_cache_tokens, steps=args.steps, pipelined=args.pipelined)
+               for b in args.block_sizes for m in args.max_num_seqs for w in args.waiting]
+    report = bench_schedulers(workloads, configs, policies=parse_policies(args.policies),
+                              step_logs=parse_policies(args.step_logs), repeats=args.repeats)
+    return print_report(format_report(report), report, as_json=args.json)
 
 
 def bench_env_command(args) -> int:
