@@ -54,7 +54,7 @@ from cache_core.cht.tree import ChunkedHashTree  # noqa: E402
 from deploy.admission import Admission, FCFSAdmission, PolicyAdmission  # noqa: E402
 from deploy.plugin_config import config_section  # noqa: E402
 from deploy.policy_reload import PolicyReloader  # noqa: E402
-from deploy.step_log import StepLog, step_composition  # noqa: E402
+from deploy.step_log import DecodeComposition, StepLog  # noqa: E402
 from deploy.waiting_queue import CHTWaitingQueue  # noqa: E402
 from feather_gym.costmodel.refit import LiveStep  # noqa: E402
 from feather_gym.policies import DEFAULT_MAX_WAIT_STEPS, check_max_wait_steps  # noqa: E402
@@ -198,6 +198,7 @@ class FeatherSchedulingMixin:
                                          resumable=getattr(self, "resumable_blocks", None))
         self.policy_reloader = reloader if isinstance(self.admission, PolicyAdmission) else None
         self.step_log = config.make_step_log()
+        self.decode_composition = DecodeComposition(self.hash_block_size)
 
     def schedule(self, throttle_prefills: bool = False):
         if self.policy_reloader is not None:
@@ -218,7 +219,7 @@ class FeatherSchedulingMixin:
     def _step_record(self, output, decisions: list) -> LiveStep:
         """The log record of the step just scheduled (times are set when it ends)."""
         return LiveStep(step=self.step_log.steps, time_unix_s=time.time(), step_wall_s=0.0, step_cpu_s=0.0,
-                        **step_composition(output, self.requests, self.hash_block_size),
+                        **self.decode_composition.update(output, self.requests),
                         running=len(self.running), waiting=len(self.waiting),
                         kv_usage=float(self.kv_cache_manager.usage), decisions=decisions,
                         policy_version=self.policy_reloader.version if self.policy_reloader else 0)

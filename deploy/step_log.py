@@ -44,7 +44,8 @@ def step_composition(scheduler_output, requests: dict, block_size: int) -> dict:
     requests' block hashes (equal hashes are one cached block in vLLM's prefix cache); groups
     are keyed by the first block, a request without a full block is a group of its own.
     ``block_size`` is the tokens per block hash (the scheduler's ``hash_block_size``).
-    O(blocks of the decoding requests).
+    O(blocks of the decoding requests): the definition, which :class:`DecodeComposition`
+    maintains incrementally for the scheduler.
     """
     decode = kv = 0
     chunks: list[list[int]] = []
@@ -70,6 +71,84 @@ def step_composition(scheduler_output, requests: dict, block_size: int) -> dict:
     unique = len(blocks) * block_size + (kv - full_tokens)
     return {"decode_requests": decode, "decode_kv_tokens": kv, "decode_unique_kv_tokens": unique,
             "decode_groups": len(firsts) + ungrouped, "prefill_chunks": chunks}
+
+
+class DecodeComposition:
+    """:func:`step_composition`, maintained across steps instead of rescanned.
+
+    Keeps, per request that decoded in the last step, its block hashes and the full blocks it
+    counts, with a reference count per counted block hash and per first-block hash. A step
+    adds the blocks its decoding requests newly filled and uncounts the requests that stopped
+    decoding (finished, preempted, or not scheduled). Cost per step: O(decoding requests +
+    blocks newly counted + blocks of requests that stopped), not O(all their blocks).
+
+    Invariant: :meth:`update` returns exactly what :func:`step_composition` computes for the
+    same step (``tests/test_online_loop.py`` checks it step by step).
+    """
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self._counted: dict = {}            # request id -> [block hashes, full blocks counted]
+        self._blocks: dict = {}             # block hash -> decoding requests counting it
+        self._firsts: dict = {}             # first block hash -> decoding requests counting it
+        self._full_blocks = 0               # sum of the counted full blocks
+
+    def update(self, scheduler_output, requests: dict) -> dict:
+        """The composition of the step just scheduled (read after ``schedule()``)."""
+        block_size, counted = self.block_size, self._counted
+        decode = kv = ungrouped = 0
+        chunks: list[list[int]] = []
+        decoding = set()
+        for request_id, new in scheduler_output.num_scheduled_tokens.items():
+            request = requests[request_id]
+            before = request.num_computed_tokens - new
+            if new != 1 or before < request.num_prompt_tokens:
+                chunks.append([new, before])
+                continue
+            decode += 1
+            kv += before + 1
+            decoding.add(request_id)
+            hashes = request.block_hashes
+            full = min(len(hashes), (before + 1) // block_size) if hashes else 0
+            entry = counted.get(request_id)
+            if entry is None:
+                entry = counted[request_id] = [hashes, 0]
+            if full > entry[1]:
+                self._count(hashes, entry[1], full)
+                entry[1] = full
+            elif not full:
+                ungrouped += 1
+        for request_id in [r for r in counted if r not in decoding]:
+            hashes, full = counted.pop(request_id)
+            self._uncount(hashes, full)
+        unique = len(self._blocks) * block_size + (kv - self._full_blocks * block_size)
+        return {"decode_requests": decode, "decode_kv_tokens": kv, "decode_unique_kv_tokens": unique,
+                "decode_groups": len(self._firsts) + ungrouped, "prefill_chunks": chunks}
+
+    def _count(self, hashes, start: int, stop: int) -> None:
+        blocks = self._blocks
+        for block in hashes[start:stop]:
+            blocks[block] = blocks.get(block, 0) + 1
+        if not start:
+            self._firsts[hashes[0]] = self._firsts.get(hashes[0], 0) + 1
+        self._full_blocks += stop - start
+
+    def _uncount(self, hashes, full: int) -> None:
+        if not full:
+            return
+        blocks = self._blocks
+        for block in hashes[:full]:
+            refs = blocks[block] - 1
+            if refs:
+                blocks[block] = refs
+            else:
+                del blocks[block]
+        refs = self._firsts[hashes[0]] - 1
+        if refs:
+            self._firsts[hashes[0]] = refs
+        else:
+            del self._firsts[hashes[0]]
+        self._full_blocks -= full
 
 
 class StepLog:
