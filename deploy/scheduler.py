@@ -231,6 +231,7 @@ class FeatherSchedulingMixin:
 
     def _free_request(self, request, delay_free_blocks: bool = False):
         self.waiting.finish_running(request)
+        self.decode_composition.leave(request.request_id)
         return super()._free_request(request, delay_free_blocks)
 
     def shutdown(self) -> None:

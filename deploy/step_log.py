@@ -76,29 +76,39 @@ def step_composition(scheduler_output, requests: dict, block_size: int) -> dict:
 class DecodeComposition:
     """:func:`step_composition`, maintained across steps instead of rescanned.
 
-    Keeps, per request that decoded in the last step, its block hashes and the full blocks it
-    counts, with a reference count per counted block hash and per first-block hash. A step
-    adds the blocks its decoding requests newly filled and uncounts the requests that stopped
-    decoding (finished, preempted, or not scheduled). Cost per step: O(decoding requests +
-    blocks newly counted + blocks of requests that stopped), not O(all their blocks).
+    Keeps, per request that decoded in the last step it was scheduled, its block hashes and
+    the full blocks it counts, with a reference count per counted block hash and per
+    first-block hash. A step counts the blocks its decoding requests newly filled; a request
+    that stops decoding is uncounted: at once when it leaves the engine (:meth:`leave`), else
+    (preempted, or not scheduled) at the first step that does not decode it. Cost per step:
+    O(decoding requests) cheap checks, plus O(blocks) once per request that starts or stops
+    decoding, not O(all their blocks) every step.
 
     Invariant: :meth:`update` returns exactly what :func:`step_composition` computes for the
-    same step (``tests/test_online_loop.py`` checks it step by step).
+    same step (``tests/test_bench_scheduler.py`` checks it step by step, under preemption).
     """
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
-        self._counted: dict = {}            # request id -> [block hashes, full blocks counted]
+        #: request id -> [block hashes, full blocks counted, next ``before`` to look at, last step]
+        self._counted: dict = {}
         self._blocks: dict = {}             # block hash -> decoding requests counting it
         self._firsts: dict = {}             # first block hash -> decoding requests counting it
         self._full_blocks = 0               # sum of the counted full blocks
+        self._step = 0
+
+    def leave(self, request_id) -> None:
+        """``request_id`` left the engine: uncount it (a no-op when it was not counted)."""
+        entry = self._counted.pop(request_id, None)
+        if entry is not None:
+            self._uncount(entry[0], entry[1])
 
     def update(self, scheduler_output, requests: dict) -> dict:
         """The composition of the step just scheduled (read after ``schedule()``)."""
         block_size, counted = self.block_size, self._counted
+        self._step = step = self._step + 1
         decode = kv = ungrouped = 0
         chunks: list[list[int]] = []
-        decoding = set()
         for request_id, new in scheduler_output.num_scheduled_tokens.items():
             request = requests[request_id]
             before = request.num_computed_tokens - new
@@ -107,20 +117,26 @@ class DecodeComposition:
                 continue
             decode += 1
             kv += before + 1
-            decoding.add(request_id)
-            hashes = request.block_hashes
-            full = min(len(hashes), (before + 1) // block_size) if hashes else 0
             entry = counted.get(request_id)
+            if entry is not None and before < entry[2]:
+                entry[3] = step
+                ungrouped += not entry[1]
+                continue                    # no block filled since it was last looked at
+            hashes = request.block_hashes
+            blocks = (before + 1) // block_size
+            full = min(len(hashes), blocks)
             if entry is None:
-                entry = counted[request_id] = [hashes, 0]
+                entry = counted[request_id] = [hashes, 0, 0, step]
             if full > entry[1]:
                 self._count(hashes, entry[1], full)
                 entry[1] = full
-            elif not full:
-                ungrouped += 1
-        for request_id in [r for r in counted if r not in decoding]:
-            hashes, full = counted.pop(request_id)
-            self._uncount(hashes, full)
+            # ``full`` grows when ``before + 1`` reaches the next block, or (hashes behind) once one is hashed
+            entry[2] = (full + 1) * block_size - 1 if full == blocks else before + 1
+            entry[3] = step
+            ungrouped += not full
+        if len(counted) > decode:           # some counted request did not decode in this step
+            for request_id in [r for r, entry in counted.items() if entry[3] != step]:
+                self.leave(request_id)
         unique = len(self._blocks) * block_size + (kv - self._full_blocks * block_size)
         return {"decode_requests": decode, "decode_kv_tokens": kv, "decode_unique_kv_tokens": unique,
                 "decode_groups": len(self._firsts) + ungrouped, "prefill_chunks": chunks}

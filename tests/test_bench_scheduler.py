@@ -105,32 +105,44 @@ def test_pipelined_steps_are_scheduled_before_the_previous_output_is_applied(nam
     assert all(r.num_output_placeholders == 0 for r in requests)
 
 
-def test_decode_composition_equals_the_scan_at_every_step():
-    """The incremental composition against the from-scratch definition, under preemption (small cache)."""
+@pytest.mark.parametrize("owner", ["standalone", "feather-step-log"])
+def test_decode_composition_equals_the_scan_at_every_step(owner):
+    """The incremental composition against the from-scratch definition, under preemption (small
+    cache): standalone beside vLLM's scheduler (requests leave unannounced), and the Feather
+    scheduler's own, which its ``_free_request`` tells of every request that leaves."""
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    from deploy.model_free import vllm_requests
+    from deploy.model_free import ModelFreeEngine, model_free_scheduler, vllm_requests
+    from deploy.scheduler import FeatherConfig, FeatherScheduler
     from deploy.step_log import DecodeComposition, step_composition
 
     composition = DecodeComposition(BLOCK)
-    compared = []
+    scans, incremental = [], []
     holder = {}
 
     def on_schedule(output):
         requests = holder["scheduler"].requests
-        incremental = composition.update(output, requests)
-        assert incremental == step_composition(output, requests, BLOCK)
-        compared.append(incremental["decode_requests"])
+        if not output.total_num_scheduled_tokens:
+            return
+        scans.append(step_composition(output, requests, BLOCK))
+        if owner == "standalone":
+            incremental.append(composition.update(output, requests))
 
-    from deploy.model_free import ModelFreeEngine, model_free_scheduler
-
+    cls, kwargs = ((Scheduler, {}) if owner == "standalone" else
+                   (FeatherScheduler, {"feather_config": FeatherConfig(policy="feather-rule", policy_reload_s=None)}))
     scheduler = holder["scheduler"] = model_free_scheduler(
-        Scheduler, block_size=BLOCK, num_blocks=48, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=1024)
+        cls, block_size=BLOCK, num_blocks=48, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=1024,
+        **kwargs)
     engine = ModelFreeEngine(scheduler, on_schedule=on_schedule)
     engine.add_requests(vllm_requests(trace(40, seed=3), block_size=BLOCK))
+    preempted = 0
     while scheduler.has_unfinished_requests():
-        engine.step()
-    assert len(compared) > 20 and max(compared) > 2
+        preempted += len(engine.step().scheduler_output.preempted_req_ids or ())
+    if owner != "standalone":
+        fields = ("decode_requests", "decode_kv_tokens", "decode_unique_kv_tokens", "decode_groups", "prefill_chunks")
+        incremental = [{name: getattr(record, name) for name in fields} for record in scheduler.step_log.recent()]
+    assert preempted > 0 and len(scans) > 20 and max(s["decode_requests"] for s in scans) > 2
+    assert incremental == scans
 
 
 def test_bench_scheduler_reports_every_side_against_vllm(capsys):
