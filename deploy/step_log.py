@@ -73,6 +73,10 @@ def step_composition(scheduler_output, requests: dict, block_size: int) -> dict:
             "decode_groups": len(firsts) + ungrouped, "prefill_chunks": chunks}
 
 
+def _past_prompt(request) -> bool:
+    return request.num_computed_tokens > request.num_prompt_tokens
+
+
 class DecodeComposition:
     """:func:`step_composition`, maintained across steps instead of rescanned.
 
@@ -90,56 +94,57 @@ class DecodeComposition:
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
-        #: request id -> [block hashes, full blocks counted, next ``before`` to look at, last step]
+        #: request id -> [block hashes, full blocks counted, next ``before`` to look at]
         self._counted: dict = {}
         self._blocks: dict = {}             # block hash -> decoding requests counting it
         self._firsts: dict = {}             # first block hash -> decoding requests counting it
         self._full_blocks = 0               # sum of the counted full blocks
-        self._step = 0
+        self._ungrouped = 0                 # counted requests without a full block
 
     def leave(self, request_id) -> None:
         """``request_id`` left the engine: uncount it (a no-op when it was not counted)."""
         entry = self._counted.pop(request_id, None)
         if entry is not None:
             self._uncount(entry[0], entry[1])
+            self._ungrouped -= not entry[1]
 
     def update(self, scheduler_output, requests: dict) -> dict:
         """The composition of the step just scheduled (read after ``schedule()``)."""
         block_size, counted = self.block_size, self._counted
-        self._step = step = self._step + 1
-        decode = kv = ungrouped = 0
+        kv = 0
         chunks: list[list[int]] = []
-        for request_id, new in scheduler_output.num_scheduled_tokens.items():
+        scheduled = scheduler_output.num_scheduled_tokens
+        for request_id, new in scheduled.items():
             request = requests[request_id]
             before = request.num_computed_tokens - new
             if new != 1 or before < request.num_prompt_tokens:
                 chunks.append([new, before])
                 continue
-            decode += 1
             kv += before + 1
             entry = counted.get(request_id)
             if entry is not None and before < entry[2]:
-                entry[3] = step
-                ungrouped += not entry[1]
                 continue                    # no block filled since it was last looked at
             hashes = request.block_hashes
             blocks = (before + 1) // block_size
             full = min(len(hashes), blocks)
             if entry is None:
-                entry = counted[request_id] = [hashes, 0, 0, step]
+                entry = counted[request_id] = [hashes, 0, 0]
+                self._ungrouped += 1
             if full > entry[1]:
+                self._ungrouped -= not entry[1]
                 self._count(hashes, entry[1], full)
                 entry[1] = full
             # ``full`` grows when ``before + 1`` reaches the next block, or (hashes behind) once one is hashed
             entry[2] = (full + 1) * block_size - 1 if full == blocks else before + 1
-            entry[3] = step
-            ungrouped += not full
-        if len(counted) > decode:           # some counted request did not decode in this step
-            for request_id in [r for r, entry in counted.items() if entry[3] != step]:
+        decode = len(scheduled) - len(chunks)
+        if len(counted) > decode:           # a counted request did not decode in this step (preempted, unscheduled)
+            decoding = {request_id for request_id, new in scheduled.items()
+                        if new == 1 and _past_prompt(requests[request_id])}
+            for request_id in counted.keys() - decoding:
                 self.leave(request_id)
         unique = len(self._blocks) * block_size + (kv - self._full_blocks * block_size)
         return {"decode_requests": decode, "decode_kv_tokens": kv, "decode_unique_kv_tokens": unique,
-                "decode_groups": len(self._firsts) + ungrouped, "prefill_chunks": chunks}
+                "decode_groups": len(self._firsts) + self._ungrouped, "prefill_chunks": chunks}
 
     def _count(self, hashes, start: int, stop: int) -> None:
         blocks = self._blocks
