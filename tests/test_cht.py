@@ -56,8 +56,10 @@ def test_block_hash_digests_take_each_chunks_last_block():
     ids = np.arange(100, 132)
     digests = block_hash_digests(ids, block_size=16, chunk_size=64)   # 4 blocks per chunk
     assert digests.tolist() == chained_block_ids(ids[3::4]).tolist()
-    raw = [bytes([i]) * 32 for i in range(8)]                          # vLLM-style bytes hashes
+    raw = [bytes(range(i, i + 32)) for i in range(8)]                   # vLLM-style bytes hashes, one width
     assert block_hash_digests(raw, 16, 32).tolist() == [int.from_bytes(raw[j][:8], "little") for j in (1, 3, 5, 7)]
+    mixed = [bytes(range(i, i + 8 + i)) for i in range(4)]               # widths 8..11: the first 8 bytes each
+    assert block_hash_digests(mixed, 16, 16).tolist() == [int.from_bytes(h[:8], "little") for h in mixed]
     with pytest.raises(ValueError, match="multiple"):
         block_hash_digests(ids, block_size=16, chunk_size=40)
 

@@ -114,14 +114,14 @@ class _Request:
         self.key = len(digests) << _SEQ_BITS | seq
 
 
-def _leading(chain: list[int], holds) -> int:
-    """Length of the longest prefix of ``chain`` whose items satisfy ``holds``.
+def _leading(chain: list[int], holds, stop: int | None = None) -> int:
+    """Length of the longest prefix of ``chain[:stop]`` whose items satisfy ``holds``.
 
     ``holds`` must be monotone along a chain (true, then false): O(log n) calls.
     Callers convert a request's digests with ``tolist()`` first (O(n) in C), cheaper than
     boxing numpy scalars at every probe.
     """
-    lo, hi = 0, len(chain)
+    lo, hi = 0, len(chain) if stop is None else stop
     while lo < hi:
         mid = (lo + hi + 1) >> 1
         if holds(chain[mid - 1]):
@@ -354,6 +354,7 @@ class ChunkedHashTree:
         best = self.find_best()                 # drops invalid global-heap tops
         if best is None or k == 1:
             return [] if best is None else [best]
+        self._drop_invalid_global()             # the walk below then passes over valid entries only
         glob, by_seq, working_set, index = self._global, self._waiting_by_seq, self._working_set, self._index
         self._live_top(self._root)              # now every top compared below is live (invariant 2)
         merge: list[tuple] = []                 # (missing, -depth, seq, tiebreak, heap, position, prefix)
@@ -371,15 +372,22 @@ class ChunkedHashTree:
                 heappush(merge, (missing, negdepth, seq, tiebreak, heap, position, prefix))
 
         def open_sources(request: _Request, digest: int) -> None:
-            chain, below = request.digests.tolist(), -1
-            for depth in range(0 if digest == _ROOT else index[digest].depth, -1, -1):
-                source = index[chain[depth - 1]] if depth else self._root
-                if source.heap[0] != request.key:
-                    return
-                if source.waiting != below and source not in opened:
+            # Up the chain from the entry's prefix, one source per run of prefixes with the same
+            # waiting requests (waiting counts only grow upwards: a binary search finds the run's top).
+            chain = request.digests.tolist()
+            depth = 0 if digest == _ROOT else index[digest].depth
+            source = index[chain[depth - 1]] if depth else self._root
+            while source.heap[0] == request.key:
+                if source not in opened:
                     opened.add(source)
                     push(source.heap, 0, source)
-                below = source.waiting
+                if not depth:
+                    return
+                waiting = source.waiting
+                depth = _leading(chain, lambda d: index[d].waiting > waiting, depth - 1)
+                source = index[chain[depth - 1]] if depth else self._root
+                if source.waiting == waiting:       # the root, holding no other waiting request
+                    return
 
         push(glob, 0, None)
         opened, exhausted, seen, groups, out = set(), set(), set(), set(), []
@@ -586,6 +594,15 @@ class ChunkedHashTree:
         by_seq = self._waiting_by_seq
         prefix.heap = [k for k in prefix.heap if k & _SEQ_MASK in by_seq]
         heapify(prefix.heap)
+
+    def _drop_invalid_global(self) -> None:
+        """Drop the global-heap entries whose request left or whose prefix left the working set. O(H)."""
+        by_seq, working_set = self._waiting_by_seq, self._working_set
+        valid = [entry for entry in self._global
+                 if entry[2] in by_seq and (entry[3] == _ROOT or entry[3] in working_set)]
+        if len(valid) < len(self._global):
+            heapify(valid)
+            self._global = valid
 
     def _maybe_compact_global(self) -> None:
         """Rebuild the global heap from the working set once stale entries dominate (inv. 3)."""
