@@ -107,6 +107,8 @@ STOP, ADD = 0, 1
 DEFAULT_NUM_CANDIDATES = 1
 
 NUM_FEATURES = len(FEATURE_NAMES)
+(_NUM_RUNNING, _CHUNK_LOSS, _SAME_PREFIX, _COMMON_PREFIX, _CONTEXT, _RESUMABLE, _KV_UTILISATION, _NUM_WAITING,
+ _OLDEST_WAIT) = range(NUM_FEATURES)
 _OFFSET = np.array([OBS_NORMALIZATION[n][0] for n in FEATURE_NAMES], dtype=np.float32)
 _INV_SCALE = np.array([1.0 / OBS_NORMALIZATION[n][1] for n in FEATURE_NAMES], dtype=np.float32)
 
@@ -180,25 +182,35 @@ class AdmissionView(Protocol):
         ...
 
 
-def raw_features(view: AdmissionView, candidate) -> np.ndarray:
-    """The raw features (float64, order :data:`FEATURE_NAMES`) of ``candidate`` in ``view``.
+def raw_feature_rows(view: AdmissionView, candidates) -> np.ndarray:
+    """The raw features (float64 ``[len(candidates), NUM_FEATURES]``, order :data:`FEATURE_NAMES`)
+    of every candidate, in one pass: the view's own figures are read once, then each
+    candidate's CHT statistics.
 
-    ``candidate`` must be waiting in ``view.tree``. O(CHT ``candidate_stats``).
+    Every candidate must be waiting in ``view.tree``. O(k CHT ``candidate_stats``).
     """
     tree = view.tree
     block = tree.chunk_size
-    stats = tree.candidate_stats(candidate)
-    return np.array((
-        view.num_running,
-        stats.chunk_loss * block,
-        stats.same_prefix_waiting,
-        tree.running_common_prefix * block,
-        view.context_tokens(candidate),
-        view.resumable_blocks(candidate, stats.shared_chunks) / stats.num_chunks if stats.num_chunks else 0.0,
-        view.kv_utilisation,
-        tree.num_waiting,
-        view.oldest_wait_steps,
-    ), dtype=np.float64)
+    rows = np.empty((len(candidates), NUM_FEATURES), dtype=np.float64)
+    rows[:, _NUM_RUNNING] = view.num_running
+    rows[:, _COMMON_PREFIX] = tree.running_common_prefix * block
+    rows[:, _KV_UTILISATION] = view.kv_utilisation
+    rows[:, _NUM_WAITING] = tree.num_waiting
+    rows[:, _OLDEST_WAIT] = view.oldest_wait_steps
+    for row, candidate in zip(rows, candidates):
+        stats = tree.candidate_stats(candidate)
+        row[_CHUNK_LOSS] = stats.chunk_loss * block
+        row[_SAME_PREFIX] = stats.same_prefix_waiting
+        row[_CONTEXT] = view.context_tokens(candidate)
+        row[_RESUMABLE] = (view.resumable_blocks(candidate, stats.shared_chunks) / stats.num_chunks
+                           if stats.num_chunks else 0.0)
+    return rows
+
+
+def raw_features(view: AdmissionView, candidate) -> np.ndarray:
+    """The raw features (float64, order :data:`FEATURE_NAMES`) of ``candidate`` in ``view``
+    (:func:`raw_feature_rows` of it alone)."""
+    return raw_feature_rows(view, (candidate,))[0]
 
 
 def normalise(raw: np.ndarray) -> np.ndarray:
@@ -253,9 +265,13 @@ class DecisionPoint:
     def raw_rows(self) -> np.ndarray:
         if self._rows is None:
             rows = np.zeros((self.num_candidates, NUM_FEATURES))
-            rows[0] = self.raw
-            for slot, candidate in enumerate(self.candidates[1:], 1):
-                rows[slot] = raw_features(self.view, candidate)
+            if self._raw is None:
+                rows[:len(self.candidates)] = raw_feature_rows(self.view, self.candidates)
+                self._raw = rows[0].copy()
+            else:
+                rows[0] = self._raw
+                if len(self.candidates) > 1:
+                    rows[1:len(self.candidates)] = raw_feature_rows(self.view, self.candidates[1:])
             self._rows = rows
         return self._rows
 

@@ -59,10 +59,17 @@ def test_every_request_finishes_with_its_output_and_the_blocks_return(name, num_
     cls, kwargs, pipelined = scheduler_classes()[name]
     source = trace()
     requests = vllm_requests(source, block_size=BLOCK)
-    preemptions = []
-    engine, steps = serve_all(cls, kwargs, pipelined, requests, num_blocks=num_blocks,
-                              on_schedule=lambda output: preemptions.append(len(output.preempted_req_ids or ())))
+    preemptions, budgets = [], []
+
+    def on_schedule(output):
+        preemptions.append(len(output.preempted_req_ids or ()))
+        budgets.append((output.total_num_scheduled_tokens, len(output.num_scheduled_tokens),
+                        sum(output.num_scheduled_tokens.values())))
+
+    engine, steps = serve_all(cls, kwargs, pipelined, requests, num_blocks=num_blocks, on_schedule=on_schedule)
     scheduler = engine.scheduler
+    # the step budgets hold: tokens within max_num_batched_tokens, requests within max_num_seqs
+    assert all(total == summed <= 256 and count <= 8 for total, count, summed in budgets)
     assert steps < 5000 and not scheduler.has_unfinished_requests()
     assert engine.finished == {r.request_id for r in requests}
     assert all(r.num_output_tokens == max(t.output_len, 1) for r, t in zip(requests, source))
