@@ -41,6 +41,25 @@ class PolicyOutputError(ValueError):
     """The policy returned non-finite logits for an observation."""
 
 
+class MissingOnnxRuntimeError(ImportError):
+    """onnxruntime is not installed; the message names the extra that brings it."""
+
+
+def import_onnxruntime():
+    """The ``onnxruntime`` module, or :class:`MissingOnnxRuntimeError` naming the serving extras.
+
+    Each serving extra carries its runtime (``cpu``: ``onnxruntime``, ``cuda``: ``onnxruntime-gpu``);
+    the ``train`` extra relies on the one beside it.
+    """
+    try:
+        import onnxruntime
+    except ImportError as exc:
+        raise MissingOnnxRuntimeError(
+            "an ONNX policy needs onnxruntime, which is not installed: pip install 'feather-gym[cpu]' "
+            "(onnxruntime) or 'feather-gym[cuda]' (onnxruntime-gpu)") from exc
+    return onnxruntime
+
+
 def check_metadata(path: str | os.PathLike, metadata: dict[str, str]) -> int:
     """The policy's candidate count ``k``; :class:`PolicyLoadError` unless ``metadata`` (raw
     strings) matches this version's :func:`~feather_gym.observation.observation_contract` for
@@ -87,13 +106,13 @@ class OnnxPolicy:
     create a CUDA session; otherwise it logs a warning and stays on CPU (``self.provider``
     says which one runs).
 
-    Raises ``FileNotFoundError`` for a missing file and :class:`PolicyLoadError` for a corrupt
-    or incompatible one. Not thread-safe (one preallocated binding per instance).
+    Raises ``FileNotFoundError`` for a missing file, :class:`PolicyLoadError` for a corrupt
+    or incompatible one, and :class:`MissingOnnxRuntimeError` without onnxruntime. Not thread-safe
+    (one preallocated binding per instance).
     """
 
     def __init__(self, path: str | os.PathLike, *, device: str = "cpu") -> None:
-        import onnxruntime as ort
-
+        ort = import_onnxruntime()
         if device not in PROVIDERS:
             raise ValueError(f"unknown policy device {device!r}; choose one of {sorted(PROVIDERS)}")
         self.path = Path(path)

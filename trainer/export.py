@@ -25,9 +25,9 @@ import numpy as np
 import onnx
 import torch
 
+from feather_gym.policy_runtime import INPUT_NAME, OUTPUT_NAME, import_onnxruntime
+
 OPSET = 18                      # >= 17; torch's exporter emits 18 natively (no version conversion)
-INPUT_NAME = "obs"
-OUTPUT_NAME = "action_logits"
 PARITY_ATOL = 1e-4              # float32 MLP: torch vs onnxruntime differ by ~1e-7 in practice
 PARITY_RANDOM_ROWS = 256
 PARITY_REAL_ROWS = 512
@@ -243,9 +243,7 @@ def export_policy_module(
 
 def _parity(module: torch.nn.Module, path: Path, obs: np.ndarray, label: str) -> dict:
     """Max abs logit difference and argmax agreement of onnxruntime (CPU) vs torch on ``obs``."""
-    import onnxruntime
-
-    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    session = import_onnxruntime().InferenceSession(str(path), providers=["CPUExecutionProvider"])
     (onnx_logits,) = session.run([OUTPUT_NAME], {INPUT_NAME: obs})
     with torch.no_grad():
         torch_logits = module(torch.from_numpy(obs)).numpy()
