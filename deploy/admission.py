@@ -111,6 +111,8 @@ class PolicyAdmission(Admission):
         self._queue = None
         #: When a list (the scheduler's step log is on): ``[observation, action]`` of each policy answer.
         self.decision_log: list | None = None
+        #: When a list (the scheduler's metrics): the wall time of each policy decision, in ns.
+        self.decision_latencies_ns: list[int] | None = None
 
     def begin_step(self) -> None:
         self._fcfs_this_step = False
@@ -177,7 +179,10 @@ class PolicyAdmission(Admission):
             self.stats.fcfs_admissions += 1
             return head
         finally:
-            self.stats.policy_ns += time.perf_counter_ns() - start
+            elapsed = time.perf_counter_ns() - start
+            self.stats.policy_ns += elapsed
+            if self.decision_latencies_ns is not None:
+                self.decision_latencies_ns.append(elapsed)
         self.stats.decisions += 1
         if self.decision_log is not None:
             self.decision_log.append([point.observation.tolist(), int(action)])

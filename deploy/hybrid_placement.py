@@ -62,6 +62,7 @@ from vllm.v1.kv_cache_interface import MambaSpec  # noqa: E402
 
 from cache_core.hybrid.rooted_placement import FamilyPlacementSettings  # noqa: E402
 from cache_core.hybrid.state_registry import StateRegistry  # noqa: E402
+from deploy.metrics import MetricsRecorder  # noqa: E402
 from deploy.plugin_config import config_section  # noqa: E402
 from deploy.scheduler import FeatherSchedulingMixin  # noqa: E402
 
@@ -119,6 +120,7 @@ class HybridPlacementMixin:
         self.states = StateRegistry(self.max_states)              # vLLM block hash -> position (blocks)
         self.placement = config.rooted_placement()
         self.evicted_states = 0
+        self.metrics = MetricsRecorder()
         self._observed: set[str] = set()                          # requests whose depth the estimator has
         if config.placement == "dp":
             for manager in self._mamba.values():
@@ -201,6 +203,7 @@ class HybridPlacementMixin:
         self._track_new_states()
         self._drop_evicted()
         self._enforce_budget()
+        self.metrics.kept_states(len(self.states) * self.state_pool_bytes)
         return output
 
     def _track_new_states(self) -> None:

@@ -177,6 +177,8 @@ class SuffixReplayMixin:
         for key, layers in PLAN.take_captured().items():
             self.anchors.put(key, layers)
         PLAN.clear_step()
+        self.metrics.replay(hits=self.replay_hits, rebuilt_states=PLAN.rebuilt_states, rebuild_s=PLAN.rebuild_s,
+                            anchor_bytes=self.anchors.used_bytes)
         return result
 
     def shutdown(self) -> None:

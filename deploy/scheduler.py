@@ -52,6 +52,7 @@ from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 
 from cache_core.cht.tree import ChunkedHashTree  # noqa: E402
 from deploy.admission import Admission, FCFSAdmission, PolicyAdmission  # noqa: E402
+from deploy.metrics import MetricsRecorder  # noqa: E402
 from deploy.plugin_config import config_section  # noqa: E402
 from deploy.policy_reload import PolicyReloader  # noqa: E402
 from deploy.step_log import DecodeComposition, StepLog  # noqa: E402
@@ -199,8 +200,12 @@ class FeatherSchedulingMixin:
         self.policy_reloader = reloader if isinstance(self.admission, PolicyAdmission) else None
         self.step_log = config.make_step_log()
         self.decode_composition = DecodeComposition(self.hash_block_size)
+        self.metrics = MetricsRecorder()
+        if isinstance(self.admission, PolicyAdmission):
+            self.admission.decision_latencies_ns = []
 
     def schedule(self, throttle_prefills: bool = False):
+        began = time.perf_counter()
         if self.policy_reloader is not None:
             policy = self.policy_reloader.poll()    # between steps: the whole scan below is one policy's
             if policy is not None:
@@ -214,7 +219,17 @@ class FeatherSchedulingMixin:
             output = super().schedule(throttle_prefills)
         if logging_on and output.total_num_scheduled_tokens:
             self.step_log.begin(output, self._step_record(output, decisions or []), start)
+        self._report_metrics(time.perf_counter() - began)
         return output
+
+    def _report_metrics(self, step_s: float) -> None:
+        self.metrics.step(step_s, waiting=len(self.waiting), cht_prefixes=self.waiting.tree.num_prefixes)
+        if isinstance(self.admission, PolicyAdmission):
+            self.metrics.admission(self.admission.stats)
+            self.metrics.decision_latencies(self.admission.decision_latencies_ns)
+            self.admission.decision_latencies_ns.clear()
+        if self.policy_reloader is not None:
+            self.metrics.policy_reloads(swaps=self.policy_reloader.version, refusals=self.policy_reloader.refusals)
 
     def _step_record(self, output, decisions: list) -> LiveStep:
         """The log record of the step just scheduled (times are set when it ends)."""

@@ -170,6 +170,11 @@ class ChunkedHashTree:
     def num_running(self) -> int:
         return len(self._running)
 
+    @property
+    def num_prefixes(self) -> int:
+        """Prefixes (chunk digests) in the waiting index. O(1)."""
+        return len(self._index)
+
     def is_waiting(self, request_id) -> bool:
         return request_id in self._waiting
 
