@@ -1,5 +1,5 @@
-"""``feather sim compare|validate``: policies side by side in the simulator, and the simulator
-against the live engine."""
+"""``feather sim compare|sweep|validate``: policies side by side in the simulator, against load, and the
+simulator against the live engine."""
 
 from __future__ import annotations
 
@@ -17,18 +17,23 @@ from feather_cli.options import (
 )
 from feather_gym.compare import DEFAULT_POLICIES
 from feather_gym.policies import DEFAULT_MAX_WAIT_STEPS
+from feather_gym.sweep import DEFAULT_SLOS
+
+WORKLOAD_HELP = ("trace file, shared trace name (mooncake, azure-conv) or KIND[:key=value,...]; "
+                 "SPEC@START-END takes a time window (e.g. mooncake@0.7-1: the held-out last 30%%)")
+DEFAULT_LOADS = "0.5,0.7,0.9,1.0,1.1,1.3"
+DEFAULT_SWEEP_POLICIES = "fcfs,lpm,dfs,feather-rule,cht"
 
 
 def register(tree) -> None:
-    """Add ``feather sim compare|validate``."""
+    """Add ``feather sim compare|sweep|validate``."""
     from deploy.bench.validate import DEFAULT_POLICIES as VALIDATE_POLICIES
     from deploy.bench.validate import DEFAULT_WORKLOADS as VALIDATE_WORKLOADS
 
     sim = tree.group("sim")
     compare = sim.add_parser("compare", help="run one trace under several scheduling policies, side by side")
-    add_workloads(compare, "trace file, shared trace name (mooncake, azure-conv) or KIND[:key=value,...]; "
-                           "SPEC@START-END takes a time window (e.g. mooncake@0.7-1: the held-out last 30%%)",
-                  repeat=False, required=True)
+    add_workloads(compare, WORKLOAD_HELP + "; SPEC@load=X replays it at X times FCFS's capacity", repeat=False,
+                  required=True)
     compare.add_argument("--profile", default=None,
                          help="cost-model profile name or file (default: this machine's, hardware_profile())")
     add_policies(compare, DEFAULT_POLICIES, "comma-separated policy names or *.onnx files")
@@ -49,6 +54,25 @@ def register(tree) -> None:
     compare.add_argument("--plot", metavar="FILE", help="write a bar chart (PNG) of throughput and TTFT")
     add_json(compare)
     compare.set_defaults(func=compare_command)
+
+    sweep = sim.add_parser("sweep", help="policies against load: latency percentiles and goodput under an SLO",
+                           description="Find the workload's FCFS capacity on the profile, replay it at each load "
+                                       "factor of it, and run every policy there.")
+    add_workloads(sweep, WORKLOAD_HELP, repeat=False, required=True)
+    sweep.add_argument("--loads", default=DEFAULT_LOADS, help=f"comma-separated load factors (default {DEFAULT_LOADS})")
+    add_policies(sweep, DEFAULT_SWEEP_POLICIES, "comma-separated policy names or *.onnx files")
+    sweep.add_argument("--profile", default=None, help="cost-model profile (default: this hardware's)")
+    sweep.add_argument("--slo", default="", metavar="ttft=2s,tpot=100ms",
+                       help="latency SLO of goodput (default per profile device: " + ", ".join(
+                           f"{device} ttft={slo.ttft_s:g}s,tpot={slo.tpot_s * 1e3:g}ms"
+                           for device, slo in DEFAULT_SLOS.items()) + ")")
+    sweep.add_argument("--seed", type=int, default=0, help="seed of generated workloads")
+    sweep.add_argument("--max-requests", type=int, default=None, help="only the first N requests of the trace")
+    sweep.add_argument("--kv-tokens", type=int, default=None,
+                       help="KV-cache capacity in tokens (default: the profile's)")
+    sweep.add_argument("--plot", metavar="FILE", help="write TTFT p99 and goodput against load (PNG)")
+    add_json(sweep)
+    sweep.set_defaults(func=sweep_command)
 
     validate = sim.add_parser("validate", help="the simulator against the live vLLM engine, same workload and policies",
                               description="The simulator against the live engine: one workload, the same policies.")
@@ -72,20 +96,23 @@ def register(tree) -> None:
 
 
 def compare_command(args) -> int:
-    import traces
     from feather_gym.compare import compare_policies, format_comparison, hybrid_configs, plot_comparison
     from feather_gym.costmodel import hardware_profile, load_cost_model
     from feather_gym.costmodel.model import HYBRID_CPU_PROFILE
+    from feather_gym.load import resolve_at_load
     from feather_gym.simulator import EngineConfig
 
     names = parse_policies(args.policies)
     label, spec = split_workload(args.workload)
-    trace = traces.resolve_workload(spec, seed=args.seed)
-    if args.max_requests is not None:
-        if args.max_requests < 1:
-            raise ValueError("--max-requests must be >= 1")
-        trace = traces.Trace(trace.name, trace.requests[:args.max_requests], trace.source, trace.block_size)
+    if args.max_requests is not None and args.max_requests < 1:
+        raise ValueError("--max-requests must be >= 1")
     cost_model = load_cost_model(args.profile or (hardware_profile() if args.model is None else HYBRID_CPU_PROFILE))
+    config = EngineConfig(kv_capacity_tokens=args.kv_tokens)
+    trace, load = resolve_at_load(spec, seed=args.seed, cost_model=cost_model, config=config,
+                                  max_requests=args.max_requests)
+    if load is not None:
+        print(f"load {load['load']:g} of FCFS's capacity ({load['capacity_requests_per_s']:.4g} requests/s, "
+              f"{load['capacity_rate_factor']:.4g}x the recorded rate): {load['arrival_rate_req_s']:.4g} requests/s")
     if args.model is None:
         results = compare_policies(trace, cost_model, names, EngineConfig(kv_capacity_tokens=args.kv_tokens))
     else:
@@ -103,7 +130,41 @@ def compare_command(args) -> int:
         print(f"wrote {args.plot}")
     if args.json:
         print(json.dumps({"workload": label, "spec": spec, "profile": cost_model.name, "requests": len(trace),
-                          "arrival_span_s": trace.duration_s, "policies": results}))
+                          "arrival_span_s": trace.duration_s, **(load or {}), "policies": results}))
+    return 0
+
+
+def sweep_command(args) -> int:
+    from feather_gym.costmodel import hardware_profile, load_cost_model
+    from feather_gym.load import resolve_at_load
+    from feather_gym.simulator import EngineConfig
+    from feather_gym.sweep import format_sweep, load_sweep, parse_slo, plot_sweep
+
+    label, spec = split_workload(args.workload)
+    if args.max_requests is not None and args.max_requests < 1:
+        raise ValueError("--max-requests must be >= 1")
+    cost_model = load_cost_model(args.profile or hardware_profile())
+    slo = parse_slo(args.slo, DEFAULT_SLOS[cost_model.device])
+    try:
+        loads = [float(x) for x in args.loads.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--loads {args.loads!r}: expected comma-separated numbers, e.g. {DEFAULT_LOADS}") from None
+    if not loads:
+        raise ValueError("--loads names no load factor")
+    config = EngineConfig(kv_capacity_tokens=args.kv_tokens)
+    trace, _ = resolve_at_load(spec, seed=args.seed, cost_model=cost_model, config=config,
+                               max_requests=args.max_requests)
+    report = load_sweep(trace, cost_model, parse_policies(args.policies), loads, slo=slo, config=config)
+    print(f"workload {label} ({report['requests']} requests), profile {cost_model.name}; SLO TTFT {slo.ttft_s:g} s, "
+          f"TPOT {slo.tpot_s * 1e3:g} ms")
+    print(f"FCFS capacity {report['capacity_requests_per_s']:.4g} requests/s ({report['capacity_rate_factor']:.4g}x "
+          f"the recorded rate, {report['capacity_simulations']} runs)")
+    print(format_sweep(report))
+    if args.plot:
+        plot_sweep(report, args.plot, title=f"{label} on {cost_model.name}")
+        print(f"wrote {args.plot}")
+    if args.json:
+        print(json.dumps({"workload": label, "spec": spec, **report}))
     return 0
 
 
