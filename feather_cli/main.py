@@ -99,13 +99,8 @@ class CommandTree:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from importlib.metadata import PackageNotFoundError, version
-
     parser = argparse.ArgumentParser(prog="feather", description="feather-gym: prefix-aware LLM serving inside vLLM")
-    try:
-        parser.add_argument("--version", action="version", version=f"feather-gym {version('feather-gym')}")
-    except PackageNotFoundError:       # run from a source tree that was never installed
-        pass
+    train.add_version(parser)
     tree = CommandTree(parser)
     for module in GROUP_MODULES:
         module.register(tree)

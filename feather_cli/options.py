@@ -6,6 +6,11 @@
 * ``--policies``: comma-separated policy names or ``*.onnx`` files.
 * ``--json``: the report as one JSON object on the last line of stdout.
 * ``--all-at-once`` / ``--time-scale``: how a live bench submits a trace's requests.
+
+Numbers mean what they say: a count or a size takes :func:`positive_int` (or
+:func:`non_negative_int` where 0 means something, e.g. ``--seed``), so a value out of range is
+refused by argparse with a one-line ``error: argument --FLAG: ...`` and exit status 2, never
+replaced by a default.
 """
 
 from __future__ import annotations
@@ -94,7 +99,7 @@ def add_submission(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--all-at-once", action="store_true",
                         help="submit every request before the first step (default: each at its trace arrival "
                              "time, the regime feather-train trains in)")
-    parser.add_argument("--time-scale", type=float, default=1.0,
+    parser.add_argument("--time-scale", type=positive_float, default=1.0,
                         help="multiply the trace's arrival times by this (default 1; not with --all-at-once)")
 
 
@@ -103,6 +108,36 @@ def submission(args: argparse.Namespace) -> dict:
     if args.all_at_once and args.time_scale != 1.0:
         raise ValueError("--time-scale scales arrival times, which --all-at-once does not use: give one of them")
     return {"online": not args.all_at_once, "time_scale": args.time_scale}
+
+
+def bounded(kind, low, high=None, *, above: bool = False):
+    """An argparse ``type``: ``kind(text)`` at least ``low`` (``above``: greater than ``low``) and
+    at most ``high`` when given; anything else is an ``ArgumentTypeError``, which argparse prints
+    after the flag's name."""
+    relation = ">" if above else ">="
+    expected = f"{relation} {low}" + ("" if high is None else f" and <= {high}")
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, "
+                                             f"got {text!r}") from None
+        if not ((value > low if above else value >= low) and (high is None or value <= high)):
+            raise argparse.ArgumentTypeError(f"must be {expected}, got {text}")
+        return value
+
+    parse.__name__ = f"{kind.__name__} {expected}"
+    return parse
+
+
+#: argparse types of counts, sizes and seeds (:func:`bounded`).
+positive_int = bounded(int, 1)
+non_negative_int = bounded(int, 0)
+positive_float = bounded(float, 0, above=True)
+non_negative_float = bounded(float, 0.0)
+#: A share in (0, 1].
+fraction = bounded(float, 0, 1, above=True)
 
 
 def int_list(text: str) -> list[int]:

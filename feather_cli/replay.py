@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from feather_cli.options import add_json
+from feather_cli.options import add_json, non_negative_int, positive_int
 from feather_gym.hybrid.replay_eval import DEFAULT_WORKLOAD
 
 
@@ -13,12 +13,12 @@ def register(tree) -> None:
     replay = tree.group("replay")
     ev = replay.add_parser("eval", help="state error, quality retention, storage and rebuild time of SuffixReplay")
     ev.add_argument("--model", default="trained", metavar="trained|tiny|DIR", help="hybrid model (default trained)")
-    ev.add_argument("--page", type=int, default=256, help="page size in tokens (default 256)")
+    ev.add_argument("--page", type=positive_int, default=256, help="page size in tokens (default 256)")
     ev.add_argument("--prefix-tokens", default="1024,2048", help="prefix lengths p, multiples of --page")
     ev.add_argument("--replay-tokens", default="16,32,64,128,256", help="replay lengths R per layer")
-    ev.add_argument("--continuation-tokens", type=int, default=64, help="tokens scored after p (default 64)")
-    ev.add_argument("--samples", type=int, default=4, help="held-out windows per prefix length (default 4)")
-    ev.add_argument("--needles", type=int, default=8, help="needles per placement (default 8; 0 skips)")
+    ev.add_argument("--continuation-tokens", type=positive_int, default=64, help="tokens scored after p (default 64)")
+    ev.add_argument("--samples", type=positive_int, default=4, help="held-out windows per prefix length (default 4)")
+    ev.add_argument("--needles", type=non_negative_int, default=8, help="needles per placement (default 8; 0 skips)")
     ev.add_argument("--time-prefix-tokens", default="4096,16384,32768",
                     help="prefix lengths whose recomputation is timed ('' skips)")
     ev.add_argument("--anchor-dtype", default="bfloat16",
@@ -26,8 +26,8 @@ def register(tree) -> None:
     ev.add_argument("--workload", default=DEFAULT_WORKLOAD, metavar="GEN_OR_FILE",
                     help=f"workload whose overlap depths the storage comparison uses (default {DEFAULT_WORKLOAD}; "
                          "'' skips)")
-    ev.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    ev.add_argument("--seed", type=int, default=0)
+    ev.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's)")
+    ev.add_argument("--seed", type=non_negative_int, default=0)
     add_json(ev)
     ev.set_defaults(func=eval_command)
 

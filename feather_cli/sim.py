@@ -10,8 +10,11 @@ from feather_cli.options import (
     add_policies,
     add_submission,
     add_workloads,
+    non_negative_int,
     parse_policies,
     parse_workloads,
+    positive_float,
+    positive_int,
     split_workload,
     submission,
 )
@@ -32,8 +35,8 @@ def register(tree) -> None:
     compare.add_argument("--profile", default=None,
                          help="cost-model profile name or file (default: this machine's, hardware_profile())")
     add_policies(compare, DEFAULT_POLICIES, "comma-separated policy names or *.onnx files")
-    compare.add_argument("--seed", type=int, default=0, help="seed of generated workloads")
-    compare.add_argument("--max-requests", type=int, default=None,
+    compare.add_argument("--seed", type=non_negative_int, default=0, help="seed of generated workloads")
+    compare.add_argument("--max-requests", type=positive_int, default=None,
                          help="simulate only the first N requests of the trace (a truncated window)")
     compare.add_argument("--model", default=None, metavar="hybrid|tiny|DIR",
                          help="simulate a hybrid model's recurrent-state cache: its layout comes from the model's "
@@ -41,10 +44,11 @@ def register(tree) -> None:
                               "by default the trained hybrid's measured vllm-cpu-hybrid")
     compare.add_argument("--placements", default="vllm,dp",
                          help="--model: recurrent-state placements to compare, comma-separated (vllm, dp, grid)")
-    compare.add_argument("--max-states", type=int, default=32, help="--model: recurrent states kept at most")
-    compare.add_argument("--anchor-pages", type=int, default=0,
+    compare.add_argument("--max-states", type=non_negative_int, default=32,
+                         help="--model: recurrent states kept at most")
+    compare.add_argument("--anchor-pages", type=non_negative_int, default=0,
                          help="--model: SuffixReplay anchors on at most this many prompt pages (default 0: none)")
-    compare.add_argument("--kv-tokens", type=int, default=None,
+    compare.add_argument("--kv-tokens", type=positive_int, default=None,
                          help="KV-cache capacity in tokens, the state reserve included (default: the profile's)")
     compare.add_argument("--plot", metavar="FILE", help="write a bar chart (PNG) of throughput and TTFT")
     add_json(compare)
@@ -56,16 +60,17 @@ def register(tree) -> None:
     add_policies(validate, ",".join(VALIDATE_POLICIES),
                  "comma-separated: fcfs (vLLM's scheduler), feather-rule, *.onnx")
     validate.add_argument("--profile", default=None, help="cost-model profile (default: this hardware's)")
-    validate.add_argument("--rounds", type=int, default=3, help="live rounds per policy (default 3)")
+    validate.add_argument("--rounds", type=positive_int, default=3, help="live rounds per policy (default 3)")
     add_submission(validate)
-    validate.add_argument("--kv-cache-gib", type=float, default=None,
+    validate.add_argument("--kv-cache-gib", type=positive_float, default=None,
                           help="KV cache (GiB; default $VLLM_CPU_KVCACHE_SPACE, else the bench's 0.25)")
-    validate.add_argument("--max-wait-steps", type=int, default=DEFAULT_MAX_WAIT_STEPS,
+    validate.add_argument("--max-wait-steps", type=non_negative_int, default=DEFAULT_MAX_WAIT_STEPS,
                           help=f"the admission's waiting-time bound in engine steps (default {DEFAULT_MAX_WAIT_STEPS})")
-    validate.add_argument("--max-input-tokens", type=int, default=None, help="cut prompts to this many tokens")
-    validate.add_argument("--max-output-tokens", type=int, default=None, help="cut outputs to this many tokens")
-    validate.add_argument("--seed", type=int, default=0, help="the workload's (first) seed (default 0)")
-    validate.add_argument("--seeds", type=int, default=1,
+    validate.add_argument("--max-input-tokens", type=positive_int, default=None, help="cut prompts to this many tokens")
+    validate.add_argument("--max-output-tokens", type=positive_int, default=None,
+                          help="cut outputs to this many tokens")
+    validate.add_argument("--seed", type=non_negative_int, default=0, help="the workload's (first) seed (default 0)")
+    validate.add_argument("--seeds", type=positive_int, default=1,
                           help="seeds per workload: --seed, --seed + 1, ... (default 1); a summary over them")
     add_json(validate)
     validate.set_defaults(func=validate_command)
@@ -82,8 +87,6 @@ def compare_command(args) -> int:
     label, spec = split_workload(args.workload)
     trace = traces.resolve_workload(spec, seed=args.seed)
     if args.max_requests is not None:
-        if args.max_requests < 1:
-            raise ValueError("--max-requests must be >= 1")
         trace = traces.Trace(trace.name, trace.requests[:args.max_requests], trace.source, trace.block_size)
     cost_model = load_cost_model(args.profile or (hardware_profile() if args.model is None else HYBRID_CPU_PROFILE))
     if args.model is None:

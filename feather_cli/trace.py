@@ -13,7 +13,7 @@ import json
 import sys
 import time
 
-from feather_cli.options import add_json, add_output
+from feather_cli.options import add_json, add_output, non_negative_int, positive_int
 from traces.generators import GENERATOR_KINDS
 
 
@@ -23,16 +23,16 @@ def register(tree) -> None:
     stats = trace.add_parser("stats", help="statistics of a trace file, shared trace or generator spec")
     stats.add_argument("spec", metavar="FILE_OR_GENERATOR",
                        help="trace file, shared trace (mooncake, azure-conv) or KIND[:key=value,...]")
-    stats.add_argument("--block-size", type=int, default=512, help="prefix block size in tokens (default 512)")
-    stats.add_argument("--seed", type=int, default=0, help="generator seed (default 0)")
+    stats.add_argument("--block-size", type=positive_int, default=512, help="prefix block size in tokens (default 512)")
+    stats.add_argument("--seed", type=non_negative_int, default=0, help="generator seed (default 0)")
     stats.add_argument("--skip-bad", action="store_true", help="skip bad lines of a trace file and count them")
     add_json(stats)
     stats.set_defaults(func=stats_command)
 
     gen = trace.add_parser("gen", help="write a generated workload as native JSONL")
     gen.add_argument("kind", choices=GENERATOR_KINDS)
-    gen.add_argument("--seed", type=int, default=0)
-    gen.add_argument("--num-requests", type=int, help="number of requests (default: the generator's)")
+    gen.add_argument("--seed", type=non_negative_int, default=0)
+    gen.add_argument("--num-requests", type=positive_int, help="number of requests (default: the generator's)")
     gen.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
                      help="a generator parameter (repeatable)")
     add_output(gen, "native JSONL file to write", metavar="FILE")

@@ -20,7 +20,7 @@ def compare_policies(trace, cost_model, policy_names: list[str], config=None) ->
     from feather_gym.simulator import EngineConfig, simulate, trace_digests
 
     config = config or EngineConfig()
-    digests = trace_digests(trace, config.block_size or cost_model.block_size)
+    digests = trace_digests(trace, config.resolve(cost_model).block_size)
     results = {}
     for name in dict.fromkeys(["fcfs", *policy_names]):
         start = time.perf_counter()

@@ -161,7 +161,7 @@ def validate_profile(profile: dict, source: str = "<profile>") -> dict:
 def profile_engine(profile: dict) -> dict[str, int]:
     """``block_size`` and ``max_num_batched_tokens`` of a validated profile: its own, else its device's."""
     defaults = ENGINE_DEFAULTS[profile["hardware"]["device"]]
-    return {key: int(profile.get(key) or default) for key, default in defaults.items()}
+    return {key: int(profile.get(key, default)) for key, default in defaults.items()}
 
 
 def load_profile(path: str | Path) -> dict:
