@@ -21,8 +21,19 @@ from traces.request import Request, Trace
 
 
 def load_trace(path: str | os.PathLike, *, skip_bad: bool = False) -> Trace:
-    """Load a native, Mooncake or Azure trace file (format detected from its first line)."""
+    """Load a native, Mooncake or Azure trace file (format detected from its first line).
+
+    A file that is not UTF-8 text (a binary file, say) is a ``ValueError`` naming it, whatever
+    ``skip_bad`` says: no line of it can be trusted.
+    """
     path = str(path)
+    try:
+        return _load_trace(path, skip_bad=skip_bad)
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not a trace file: not UTF-8 text (a trace is JSONL or CSV)") from None
+
+
+def _load_trace(path: str, *, skip_bad: bool) -> Trace:
     requests: list[Request] = []
     seen_ids: set[str] = set()
     skipped = 0
