@@ -29,6 +29,7 @@ import yaml
 from feather_gym.costmodel import hardware_profile
 from feather_gym.envs import DEFAULT_CONFIG as ENV_DEFAULTS
 from feather_gym.policies import check_max_wait_steps
+from traces.io import read_text
 from traces.workload import CPU_ENGINE_WORKLOADS, DEFAULT_EVAL_FRACTION, SPLIT_PARTS, split_spec
 
 #: Training env seeds: ``seed + SEED_STRIDE * worker index`` (:func:`training_env_seed`).
@@ -299,7 +300,7 @@ def load_config_file(path: str | Path) -> dict:
     else:
         raise ValueError(f"{path}: config file must end in .yaml, .yml or .toml")
     try:
-        data = loader(path.read_text()) or {}
+        data = loader(read_text(path, "config file")) or {}
     except (yaml.YAMLError, tomllib.TOMLDecodeError) as exc:
         raise ValueError(f"{path}: not valid {path.suffix[1:].upper()}: {exc}") from exc
     if not isinstance(data, dict):

@@ -39,6 +39,8 @@ import json
 from numbers import Real
 from pathlib import Path
 
+from traces.io import read_text
+
 from .features import COLUMNS
 from .shapes import ModelShape
 
@@ -168,7 +170,7 @@ def load_profile(path: str | Path) -> dict:
     """Read and validate a profile file (``OSError`` if unreadable, :class:`ProfileError` if invalid)."""
     path = Path(path)
     try:
-        profile = json.loads(path.read_text())
+        profile = json.loads(read_text(path, "cost-model profile (JSON)"))
     except json.JSONDecodeError as exc:
         raise ProfileError(f"{path}: line {exc.lineno}: not valid JSON ({exc.msg})") from None
     return validate_profile(profile, str(path))

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+from traces.io import read_text
+
 
 def model_folder(model: str):
     """The folder of ``--model``: ``hybrid`` (the trained hybrid's folder, not built here) or a
@@ -57,8 +59,7 @@ def load_prefill(path: str):
 
     if path in SHIPPED_PREFILL and not Path(path).exists():
         path = str(files("feather_gym.costmodel") / "profiles" / SHIPPED_PREFILL[path])
-    with open(path) as f:
-        data = json.load(f)
+    data = json.loads(read_text(path, "prefill-time profile (JSON of `feather profile prefill`)"))
     try:
         return PrefillTime.from_dict(data)
     except KeyError as exc:
