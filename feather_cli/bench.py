@@ -29,6 +29,7 @@ from feather_cli.options import (
     add_submission,
     add_workloads,
     int_list,
+    non_negative_float,
     non_negative_int,
     parse_policies,
     parse_workloads,
@@ -148,7 +149,7 @@ def add_hybrid_arguments(parser: argparse.ArgumentParser) -> None:
     add_workloads(parser, "workload, repeatable; default: " + "; ".join(HYBRID_WORKLOADS))
     parser.add_argument("--rounds", type=positive_int, default=HYBRID_ROUNDS,
                         help=f"timed rounds per side (default {HYBRID_ROUNDS})")
-    parser.add_argument("--state-budget-mib", type=positive_float, default=DEFAULT_STATE_BUDGET_MIB,
+    parser.add_argument("--state-budget-mib", type=non_negative_float, default=DEFAULT_STATE_BUDGET_MIB,
                         help=f"recurrent-state budget of the capped sides (default {DEFAULT_STATE_BUDGET_MIB:g})")
     parser.add_argument("--checkpoints", type=positive_int, default=8, help="DP states per shared prefix (default 8)")
     parser.add_argument("--resolve-every", type=positive_int, default=1,

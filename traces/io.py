@@ -40,12 +40,15 @@ def not_text(path: str | os.PathLike, what: str) -> ValueError:
 
 def read_text(path: str | os.PathLike, what: str) -> str:
     """The UTF-8 text of the file at ``path``; a file that is not text (a binary file) is a
-    ``ValueError`` naming it and ``what`` it should be (:func:`not_text`), a missing one an ``OSError``."""
+    ``ValueError`` naming it and ``what`` it should be (:func:`not_text`), a missing one a
+    ``FileNotFoundError`` naming both, any other unreadable one an ``OSError``."""
     try:
         with open(path, encoding="utf-8") as f:
             return f.read()
     except UnicodeDecodeError:
         raise not_text(path, what) from None
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: no such {what}") from None
 
 
 def _load_trace(path: str, *, skip_bad: bool) -> Trace:

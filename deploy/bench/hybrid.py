@@ -112,14 +112,15 @@ def hybrid_bench(*, model: str = "trained", workloads: dict[str, str] | None = N
     from transformers import AutoTokenizer
 
     from deploy.replay_layer import register_replay_layer
-    from feather_gym.hybrid.model import SPECS, ensure_hybrid_hf
+    from feather_gym.hybrid.model import ensure_hybrid_hf, resolve_model
     from traces import resolve_workload
     from traces.text import corpus_token_ids, texturize
 
     if state_budget_mib < 0:
         raise ValueError(f"state_budget_mib must be >= 0, got {state_budget_mib}")
     started = time.perf_counter()
-    model_dir = str(ensure_hybrid_hf(model)) if model in SPECS else model
+    kind, folder = resolve_model(model)
+    model_dir = str(folder if kind is None else ensure_hybrid_hf(kind))
     workloads = workloads or HYBRID_WORKLOADS
     traces = {name: resolve_workload(spec, seed=seed) for name, spec in workloads.items()}
     if text:
