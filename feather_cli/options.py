@@ -2,7 +2,9 @@
 
 * ``-o/--output``: where a command writes its file or folder.
 * ``--workload``: ``NAME=SPEC`` or ``SPEC`` (:func:`traces.resolve_workload`), repeatable where a
-  command takes several; a spec without a name is named by itself.
+  command takes several; a spec without a name is named by its short label
+  (:func:`traces.workload.workload_label`: a generator's kind, a trace's name), which printed
+  tables show; the full spec goes into the JSON reports.
 * ``--policies``: comma-separated policy names or ``*.onnx`` files.
 * ``--json``: the report as one JSON object on the last line of stdout.
 * ``--all-at-once`` / ``--time-scale``: how a live bench submits a trace's requests.
@@ -65,21 +67,27 @@ def add_workloads(parser: argparse.ArgumentParser, help: str, *, repeat: bool = 
 
 
 def split_workload(text: str) -> tuple[str, str]:
-    """``"NAME=SPEC"`` -> ``(NAME, SPEC)``; ``"SPEC"`` -> ``(SPEC, SPEC)``.
+    """``"NAME=SPEC"`` -> ``(NAME, SPEC)``; ``"SPEC"`` -> ``(label, SPEC)``, ``label`` its
+    :func:`~traces.workload.workload_label`.
 
     ``kind:key=value`` has its '=' after a ':', so only a '=' before any ':' names the workload.
     """
+    from traces.workload import workload_label
+
     name, sep, spec = text.partition("=")
     if not sep or ":" in name:
-        return text, text
+        return workload_label(text), text
     return name, spec
 
 
-def parse_workloads(specs: list[str] | None) -> dict[str, str] | None:
-    """``--workload`` values -> ``{name: spec}`` (:func:`split_workload`); ``None`` when none was given."""
-    if not specs:
+def parse_workloads(texts: list[str] | None) -> dict[str, str] | None:
+    """``--workload`` values -> ``{name: spec}`` (:func:`split_workload`), the names made unique
+    (:func:`~traces.workload.workload_labels`); ``None`` when none was given."""
+    from traces.workload import workload_labels
+
+    if not texts:
         return None
-    return dict(split_workload(text) for text in specs)
+    return dict(zip(workload_labels(texts), (split_workload(text)[1] for text in texts)))
 
 
 def add_policies(parser: argparse.ArgumentParser, default: str, help: str) -> None:

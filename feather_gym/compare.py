@@ -8,6 +8,7 @@ when it is much longer, requests queue and the order of admission decides the th
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 DEFAULT_POLICIES = "fcfs,lpm,dfs,feather-rule,group-label"
 
@@ -61,15 +62,17 @@ def hybrid_configs(model: str, *, placements: list[str], max_states: int, anchor
 
 
 def format_comparison(results: dict[str, dict]) -> str:
-    """One row per policy: throughput, ratio to FCFS, makespan, TTFT, TPOT, queueing, preemptions."""
-    rows = [f"{'policy':<22}{'tok/s':>10}{'x FCFS':>8}{'makespan s':>12}{'TTFT mean s':>13}{'TTFT p99 s':>12}"
-            f"{'TPOT ms':>9}{'queue mean s':>14}{'queue p99 s':>13}{'max wait s':>12}{'preempt':>9}"]
-    for name, m in results.items():
-        rows.append(f"{name[-22:]:<22}{m['throughput_tok_s']:>10.1f}{m['ratio_to_fcfs']:>8.2f}{m['makespan_s']:>12.3f}"
-                    f"{m['ttft_mean_s']:>13.3f}{m['ttft_p99_s']:>12.3f}{m['tpot_mean_ms']:>9.2f}"
-                    f"{m['queue_delay_mean_s']:>14.3f}{m['queue_delay_p99_s']:>13.3f}{m['longest_wait_s']:>12.3f}"
-                    f"{m['preemptions']:>9d}")
-    return "\n".join(rows)
+    """One row per policy: throughput, ratio to FCFS, makespan, TTFT, TPOT, queueing, preemptions
+    (a :func:`traces.table.format_table`, within its width)."""
+    from traces.table import format_table
+
+    header = ["policy", "tok/s", "x FCFS", "makespan s", "TTFT s", "TTFT p99 s", "TPOT ms", "queue s",
+              "queue p99 s", "max wait s", "preempt"]
+    rows = [[Path(name).name, f"{m['throughput_tok_s']:.1f}", f"{m['ratio_to_fcfs']:.2f}", f"{m['makespan_s']:.3f}",
+             f"{m['ttft_mean_s']:.3f}", f"{m['ttft_p99_s']:.3f}", f"{m['tpot_mean_ms']:.2f}",
+             f"{m['queue_delay_mean_s']:.3f}", f"{m['queue_delay_p99_s']:.3f}", f"{m['longest_wait_s']:.3f}",
+             m["preemptions"]] for name, m in results.items()]
+    return format_table(header, rows)
 
 
 def plot_comparison(results: dict[str, dict], path: str, *, title: str) -> None:

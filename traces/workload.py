@@ -142,6 +142,41 @@ def resolve_workload(spec: str, *, seed: int = 0, skip_bad: bool = False) -> Tra
                      f"or a generator kind ({', '.join(GENERATOR_KINDS)}; KIND:key=value,...)")
 
 
+#: The built-in workloads' names by their specs (the short labels of :func:`workload_label`).
+_NAMED_SPECS = {spec: name for name, spec in {**ENGINE_SIZED_WORKLOADS, **ENGINE_SIZED_SHAPES}.items()}
+
+
+def workload_label(spec: str) -> str:
+    """A short label of workload ``spec`` for a printed table (the full spec belongs in JSON):
+    ``NAME`` of ``NAME=SPEC`` (a ``=`` before any ``:``), a built-in workload's name
+    (:data:`ENGINE_SIZED_WORKLOADS`, :data:`ENGINE_SIZED_SHAPES`), a shared trace's name, a
+    generator's kind, or a trace file's name without its folder and suffix; a time window keeps
+    its ``@START-END``."""
+    name, sep, rest = spec.partition("=")
+    if sep and ":" not in name:
+        return name
+    window = _WINDOW.match(spec)
+    if window:
+        return f"{workload_label(window['spec'])}@{window['start']}-{window['end']}"
+    if spec in _NAMED_SPECS or spec in SHARED_TRACES:
+        return _NAMED_SPECS.get(spec, spec)
+    kind = spec.partition(":")[0]
+    return kind if kind in GENERATOR_KINDS else Path(spec).stem
+
+
+def workload_labels(specs) -> list[str]:
+    """:func:`workload_label` of each spec, made unique within the list: a label that several
+    different specs share becomes ``LABEL#1``, ``LABEL#2``, ... in their order."""
+    specs = list(specs)
+    labels = [workload_label(spec) for spec in specs]
+    distinct: dict[str, list[str]] = {}          # label -> the different specs it labels, in order
+    for spec, label in zip(specs, labels):
+        if spec not in distinct.setdefault(label, []):
+            distinct[label].append(spec)
+    return [label if len(distinct[label]) == 1 else f"{label}#{distinct[label].index(spec) + 1}"
+            for spec, label in zip(specs, labels)]
+
+
 def is_generated(spec: str) -> bool:
     """Whether ``spec`` (or the trace it takes a time window of) is a generator, a new trace per
     seed, rather than a recorded trace."""
