@@ -148,15 +148,28 @@ non_negative_float = bounded(float, 0.0)
 fraction = bounded(float, 0, 1, above=True)
 
 
-def int_list(text: str) -> list[int]:
-    """argparse type: ``"1000,5000"`` -> ``[1000, 5000]`` (positive integers)."""
-    try:
-        values = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
-    return values
+def int_list_type(low: int = 1, *, allow_empty: bool = False):
+    """An argparse ``type``: ``"1000,5000"`` -> ``[1000, 5000]``, every integer at least ``low``
+    and at least one (``allow_empty``: ``""`` is ``[]``)."""
+    kind = {1: "positive", 0: "non-negative"}.get(low, f">= {low}")
+
+    def parse(text: str) -> list[int]:
+        try:
+            values = [int(part) for part in text.split(",") if part.strip()]
+        except ValueError:
+            values = None
+        if values == [] and allow_empty and not text.strip():
+            return []
+        if not values or min(values) < low:
+            raise argparse.ArgumentTypeError(f"expected comma-separated {kind} integers, got {text!r}")
+        return values
+
+    parse.__name__ = "int_list"
+    return parse
+
+
+#: ``"1000,5000"`` -> ``[1000, 5000]``: one or more positive integers (:func:`int_list_type`).
+int_list = int_list_type()
 
 
 def print_report(text: str, report: dict, *, as_json: bool) -> int:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 
 from cache_core.hybrid.placement_eval import DEFAULT_BLOCK_SIZE, DEFAULT_BUDGETS
-from feather_cli.options import add_json, fraction, non_negative_int, positive_int
+from feather_cli.options import add_json, fraction, int_list_type, non_negative_int, positive_int
 
 
 def register(tree) -> None:
@@ -33,7 +33,7 @@ def register(tree) -> None:
     evaluate = placement.add_parser("eval", help="recompute vs states stored: exact DP and heuristics on a workload")
     evaluate.add_argument("--workload", required=True, metavar="GEN_OR_FILE",
                           help="trace file, shared trace (mooncake, azure-conv) or KIND[:key=value,...]")
-    evaluate.add_argument("--budgets", default=",".join(map(str, DEFAULT_BUDGETS)),
+    evaluate.add_argument("--budgets", type=int_list_type(0), default=",".join(map(str, DEFAULT_BUDGETS)),
                           help="comma-separated checkpoint budgets (default 1,2,4,...,256)")
     evaluate.add_argument("--block-size", type=positive_int, default=None,
                           help=f"block size in tokens (default: the trace's own block size, else {DEFAULT_BLOCK_SIZE})")
@@ -76,17 +76,6 @@ def register(tree) -> None:
     solver.set_defaults(func=bench_command)
 
 
-def parse_budgets(text: str) -> list[int]:
-    """``"1,2,4"`` -> ``[1, 2, 4]``; ``ValueError`` for anything but non-negative integers."""
-    try:
-        budgets = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise ValueError(f"--budgets expects comma-separated integers, got {text!r}") from None
-    if not budgets or min(budgets) < 0:
-        raise ValueError(f"--budgets expects non-negative integers, got {text!r}")
-    return budgets
-
-
 def eval_command(args) -> int:
     from cache_core.hybrid.placement_eval import evaluate_workload
     from cache_core.hybrid.placement_report import format_report, plot_frontier
@@ -95,7 +84,7 @@ def eval_command(args) -> int:
 
     report = {"workload": args.workload, "cache_blocks": args.cache_blocks, "model": args.model,
               **evaluate_workload(resolve_workload(args.workload, seed=args.seed), block_size=args.block_size,
-                                  cache_blocks=args.cache_blocks, budgets=parse_budgets(args.budgets),
+                                  cache_blocks=args.cache_blocks, budgets=args.budgets,
                                   decay=args.decay, resolve_every=args.resolve_every,
                                   layout=None if args.model is None else load_layout(args.model),
                                   prefill=None if args.prefill_profile is None else load_prefill(args.prefill_profile),
