@@ -20,7 +20,7 @@ import logging
 import sys
 
 from feather_cli import bench, hybrid, placement, profile, replay, sim, trace, train
-from feather_cli.options import check_required
+from feather_cli.options import add_version, check_required
 
 #: The command groups with their help text (``feather train`` and ``feather export`` are commands).
 GROUPS = {
@@ -100,7 +100,7 @@ class CommandTree:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="feather", description="feather-gym: prefix-aware LLM serving inside vLLM")
-    train.add_version(parser)
+    add_version(parser)
     tree = CommandTree(parser)
     for module in GROUP_MODULES:
         module.register(tree)

@@ -7,6 +7,7 @@
   tables show; the full spec goes into the JSON reports.
 * ``--policies``: comma-separated policy names or ``*.onnx`` files.
 * ``--json``: the report as one JSON object on the last line of stdout.
+* ``--version``: ``feather-gym VERSION`` of ``feather`` and ``feather-train`` alike.
 * ``--all-at-once`` / ``--time-scale``: how a live bench submits a trace's requests.
 
 Numbers mean what they say: a count or a size takes :func:`positive_int` (or
@@ -19,6 +20,20 @@ from __future__ import annotations
 
 import argparse
 import json
+
+
+def package_version() -> str:
+    """The installed feather-gym's version, or ``unknown (not installed)`` from a bare source tree."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("feather-gym")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def add_version(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--version", action="version", version=f"feather-gym {package_version()}")
 
 
 def add_json(parser: argparse.ArgumentParser) -> None:

@@ -35,7 +35,7 @@ import types
 import typing
 from pathlib import Path
 
-from feather_cli.options import add_json, add_output
+from feather_cli.options import add_json, add_output, add_version
 from trainer.config import OFF, TrainConfig
 
 TRAIN_HELP = "train the Feather policy with RLlib PPO, evaluate it held out, export it to ONNX"
@@ -118,20 +118,6 @@ def flag_error(exc: ValueError, flags: dict) -> ValueError:
     if sep and flags.get(name) is not None:
         return ValueError(f"argument {setting_flag(name)}: {rest}")
     return exc
-
-
-def package_version() -> str:
-    """The installed feather-gym's version, or ``unknown (not installed)`` from a bare source tree."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("feather-gym")
-    except PackageNotFoundError:
-        return "unknown (not installed)"
-
-
-def add_version(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--version", action="version", version=f"feather-gym {package_version()}")
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
