@@ -29,8 +29,12 @@ from feather_cli.options import (
     add_submission,
     add_workloads,
     int_list,
+    non_negative_float,
+    non_negative_int,
     parse_policies,
     parse_workloads,
+    positive_float,
+    positive_int,
     print_report,
     submission,
 )
@@ -64,13 +68,13 @@ def register(tree) -> None:
     add_workloads(env, "workload of the episodes (default: the first of feather-train's built-in mix for the "
                        "profile's device, in that mix's KV capacity)", repeat=False)
     env.add_argument("--profile", default=None, help="cost-model profile name or file (default: this machine's)")
-    env.add_argument("--steps", type=int, default=20_000, help="steps per measured pass (default 20000)")
+    env.add_argument("--steps", type=positive_int, default=20_000, help="steps per measured pass (default 20000)")
     add_json(env)
     env.set_defaults(func=bench_env_command)
 
     policy = bench.add_parser("policy", help="Feather policy decision latency (onnxruntime, CHT, observation)")
     add_flag(policy, "--policies", required=True, old="--policy", metavar="POLICY", help="the Feather ONNX policy file")
-    policy.add_argument("--iterations", type=int, default=20_000, help="timed decisions (default 20000)")
+    policy.add_argument("--iterations", type=positive_int, default=20_000, help="timed decisions (default 20000)")
     policy.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     add_json(policy)
     policy.set_defaults(func=bench_policy_command)
@@ -81,7 +85,7 @@ def register(tree) -> None:
     headroom.add_argument("--profile", default=None,
                           help="cost-model profile (default: this machine's); the mix and KV capacity are "
                                "feather-train's for it")
-    headroom.add_argument("--seeds", type=int, default=30, help="held-out seeds per workload (default 30)")
+    headroom.add_argument("--seeds", type=positive_int, default=30, help="held-out seeds per workload (default 30)")
     add_flag(headroom, "--policies", old="--policy", metavar="POLICY",
              help="a trained policy (*.onnx) or a baseline name, paired against the rule as well")
     add_json(headroom)
@@ -101,8 +105,9 @@ def one_policy(text: str | None) -> str | None:
 def add_live_engine_arguments(parser: argparse.ArgumentParser, *, kv_default: str) -> None:
     """Flags every live bench shares: submission, KV cache size, seed, ``--json``."""
     add_submission(parser)
-    parser.add_argument("--kv-cache-gib", type=float, default=None, help=f"KV-cache size in GiB (default {kv_default})")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--kv-cache-gib", type=positive_float, default=None,
+                        help=f"KV-cache size in GiB (default {kv_default})")
+    parser.add_argument("--seed", type=non_negative_int, default=0)
     add_json(parser)
 
 
@@ -115,13 +120,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
              help="the Feather policy: an ONNX file, or feather-rule")
     add_workloads(parser, "workload, repeatable; default: "
                   + "; ".join(f"{k}={v}" for k, v in ENGINE_SIZED_WORKLOADS.items()))
-    parser.add_argument("--rounds", type=int, default=SERVE_ROUNDS,
+    parser.add_argument("--rounds", type=positive_int, default=SERVE_ROUNDS,
                         help=f"timed rounds per scheduler (default {SERVE_ROUNDS})")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="model dtype (default float32: outputs must be token-identical)")
-    parser.add_argument("--max-input-tokens", type=int, default=None, help="cut prompts to this many tokens")
-    parser.add_argument("--max-output-tokens", type=int, default=None, help="cut outputs to this many tokens")
-    parser.add_argument("--max-wait-steps", type=int, default=DEFAULT_MAX_WAIT_STEPS,
+    parser.add_argument("--max-input-tokens", type=positive_int, default=None, help="cut prompts to this many tokens")
+    parser.add_argument("--max-output-tokens", type=positive_int, default=None, help="cut outputs to this many tokens")
+    parser.add_argument("--max-wait-steps", type=non_negative_int, default=DEFAULT_MAX_WAIT_STEPS,
                         help=f"Feather waiting-time bound in engine steps (default {DEFAULT_MAX_WAIT_STEPS})")
     add_live_engine_arguments(parser, kv_default="$VLLM_CPU_KVCACHE_SPACE, else 0.25: the default prefix-heavy "
                                                  "workload then evicts")
@@ -142,15 +147,15 @@ def add_hybrid_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="trained",
                         help="trained (default; built when absent, ~20 min), tiny, or a model folder")
     add_workloads(parser, "workload, repeatable; default: " + "; ".join(HYBRID_WORKLOADS))
-    parser.add_argument("--rounds", type=int, default=HYBRID_ROUNDS,
+    parser.add_argument("--rounds", type=positive_int, default=HYBRID_ROUNDS,
                         help=f"timed rounds per side (default {HYBRID_ROUNDS})")
-    parser.add_argument("--state-budget-mib", type=float, default=DEFAULT_STATE_BUDGET_MIB,
+    parser.add_argument("--state-budget-mib", type=non_negative_float, default=DEFAULT_STATE_BUDGET_MIB,
                         help=f"recurrent-state budget of the capped sides (default {DEFAULT_STATE_BUDGET_MIB:g})")
-    parser.add_argument("--checkpoints", type=int, default=8, help="DP states per shared prefix (default 8)")
-    parser.add_argument("--resolve-every", type=int, default=1,
+    parser.add_argument("--checkpoints", type=positive_int, default=8, help="DP states per shared prefix (default 8)")
+    parser.add_argument("--resolve-every", type=positive_int, default=1,
                         help="DP re-solve interval in requests of a prefix family (default 1)")
     parser.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated subset of {','.join(SIDES)}")
-    parser.add_argument("--replay-tokens", type=int, default=DEFAULT_REPLAY_TOKENS,
+    parser.add_argument("--replay-tokens", type=positive_int, default=DEFAULT_REPLAY_TOKENS,
                         help=f"SuffixReplay anchors per GDN layer and page (default {DEFAULT_REPLAY_TOKENS})")
     parser.add_argument("--anchor-share", type=float, default=DEFAULT_ANCHOR_SHARE,
                         help=f"dp-replay: share of the budget for anchors (default {DEFAULT_ANCHOR_SHARE})")
@@ -168,10 +173,11 @@ def add_loop_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run", required=True, help="a feather-train run folder (policy.onnx, checkpoint/)")
     add_output(parser, "folder for the step log, the refit profile and the tuned run")
     add_workloads(parser, "workload, repeatable (default: feather bench serve's)")
-    parser.add_argument("--rounds", type=int, default=LOOP_ROUNDS,
+    parser.add_argument("--rounds", type=positive_int, default=LOOP_ROUNDS,
                         help=f"timed rounds per side (default {LOOP_ROUNDS})")
-    parser.add_argument("--collect-rounds", type=int, default=1, help="rounds served to collect the log (default 1)")
-    parser.add_argument("--fine-tune-s", type=float, default=DEFAULT_FINE_TUNE_S,
+    parser.add_argument("--collect-rounds", type=positive_int, default=1,
+                        help="rounds served to collect the log (default 1)")
+    parser.add_argument("--fine-tune-s", type=positive_float, default=DEFAULT_FINE_TUNE_S,
                         help=f"fine-tuning time budget in seconds (default {DEFAULT_FINE_TUNE_S:g})")
     parser.add_argument("--profile", default=None, help="base cost-model profile to refit (default: this machine's)")
     add_live_engine_arguments(parser, kv_default="0.25")
@@ -181,21 +187,24 @@ def add_loop_arguments(parser: argparse.ArgumentParser) -> None:
 def add_cht_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--waiting", type=int_list, default=[1000, 5000, 20000],
                         help="comma-separated waiting-queue sizes W (default 1000,5000,20000)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--groups", type=int, default=50, help="prefix groups (default 50)")
-    parser.add_argument("--prefix-tokens", type=int, default=4000, help="shared prefix per group (default 4000)")
-    parser.add_argument("--suffix-tokens", type=int, default=100, help="unique suffix per request (default 100)")
-    parser.add_argument("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE,
+    parser.add_argument("--seed", type=non_negative_int, default=0)
+    parser.add_argument("--groups", type=positive_int, default=50, help="prefix groups (default 50)")
+    parser.add_argument("--prefix-tokens", type=positive_int, default=4000,
+                        help="shared prefix per group (default 4000)")
+    parser.add_argument("--suffix-tokens", type=positive_int, default=100,
+                        help="unique suffix per request (default 100)")
+    parser.add_argument("--chunk-size", type=positive_int, default=DEFAULT_CHUNK_SIZE,
                         help=f"CHT chunk size in tokens (default {DEFAULT_CHUNK_SIZE})")
-    parser.add_argument("--batch", type=int, default=64, help="running batch size (default 64)")
-    parser.add_argument("--steps", type=int, default=2000, help="scheduling steps timed per W (default 2000)")
-    parser.add_argument("--lpm-waiting", type=int, default=5000,
+    parser.add_argument("--batch", type=positive_int, default=64, help="running batch size (default 64)")
+    parser.add_argument("--steps", type=positive_int, default=2000, help="scheduling steps timed per W (default 2000)")
+    parser.add_argument("--lpm-waiting", type=positive_int, default=5000,
                         help="W of the per-decision SGLang LPM comparison (default 5000)")
     parser.add_argument("--lpm-round-waiting", type=int_list, default=[32, 64, 128],
                         help=f"comma-separated W (<= {SGLANG_LPM_MAX_WAITING}) of the per-round SGLang LPM "
                              "comparison (default 32,64,128)")
-    parser.add_argument("--round-repeats", type=int, default=21, help="timed rounds per W and side (default 21)")
-    parser.add_argument("--long-prompts", type=int, default=1000,
+    parser.add_argument("--round-repeats", type=positive_int, default=21,
+                        help="timed rounds per W and side (default 21)")
+    parser.add_argument("--long-prompts", type=positive_int, default=1000,
                         help="10K-token prompts for add/activate/finish and the chunk-size sweep (default 1000)")
     parser.add_argument("--no-trace", action="store_true", help="skip the Mooncake trace run")
     add_json(parser)
@@ -236,9 +245,6 @@ def hybrid_bench_command(args) -> int:
 def bench_cht_command(args) -> int:
     from cache_core.cht.bench import measure, print_table
 
-    if min(args.chunk_size, args.batch, args.steps, args.lpm_waiting, args.long_prompts, args.round_repeats) < 1:
-        raise ValueError("--chunk-size, --batch, --steps, --lpm-waiting, --long-prompts and --round-repeats "
-                         "must be >= 1")
     if max(args.lpm_round_waiting) > SGLANG_LPM_MAX_WAITING:
         raise ValueError(f"--lpm-round-waiting: SGLang runs LPM only up to W={SGLANG_LPM_MAX_WAITING}, "
                          f"got {max(args.lpm_round_waiting)}")
@@ -265,11 +271,11 @@ def add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"KV block sizes in tokens, comma-separated (default {default.block_size}, CUDA's)")
     parser.add_argument("--max-num-seqs", type=int_list, default=[default.max_num_seqs],
                         help=f"running limits, comma-separated (default {default.max_num_seqs})")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=default.max_num_batched_tokens,
+    parser.add_argument("--max-num-batched-tokens", type=positive_int, default=default.max_num_batched_tokens,
                         help=f"token budget per step (default {default.max_num_batched_tokens})")
-    parser.add_argument("--kv-cache-tokens", type=int, default=default.kv_cache_tokens,
+    parser.add_argument("--kv-cache-tokens", type=positive_int, default=default.kv_cache_tokens,
                         help=f"KV cache size in tokens (default {default.kv_cache_tokens})")
-    parser.add_argument("--steps", type=int, default=default.steps,
+    parser.add_argument("--steps", type=positive_int, default=default.steps,
                         help=f"steady-state steps per run (default {default.steps})")
     parser.add_argument("--pipelined", action="store_true",
                         help="async scheduling: vLLM's AsyncScheduler and FeatherAsyncScheduler, the next step "
@@ -280,7 +286,7 @@ def add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--step-logs", default=",".join(STEP_LOGS),
                         help=f"step-log modes of each Feather side, comma-separated among {','.join(STEP_LOGS)} "
                              f"(default all)")
-    parser.add_argument("--repeats", type=int, default=1,
+    parser.add_argument("--repeats", type=positive_int, default=1,
                         help="runs per side, in rotated order; figures are medians (default 1)")
     add_json(parser)
     parser.set_defaults(func=bench_scheduler_command)
@@ -304,8 +310,6 @@ def bench_env_command(args) -> int:
     from feather_gym.envs.bench import env_speed
     from trainer.config import profile_mix
 
-    if args.steps < 1:
-        raise ValueError(f"--steps must be >= 1, got {args.steps}")
     profile = args.profile or hardware_profile()
     workload, kv_capacity_tokens = args.workload, None
     if workload is None:   # the generators' own sizes leave a CPU engine no decision to make

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import shutil
 
-from feather_cli.options import add_json
+from feather_cli.options import add_json, non_negative_int, positive_int
 
 
 def register(tree) -> None:
@@ -25,9 +25,9 @@ def register(tree) -> None:
     build.set_defaults(func=build_command)
     check = hybrid.add_parser("check", help="greedy agreement of vLLM and transformers (bfloat16)")
     check.add_argument("--model", choices=("trained", "tiny"), default="trained")
-    check.add_argument("--prompts", type=int, default=16, help="held-out prompts (default 16)")
-    check.add_argument("--max-new-tokens", type=int, default=16, help="greedy tokens per prompt (default 16)")
-    check.add_argument("--seed", type=int, default=0)
+    check.add_argument("--prompts", type=positive_int, default=16, help="held-out prompts (default 16)")
+    check.add_argument("--max-new-tokens", type=positive_int, default=16, help="greedy tokens per prompt (default 16)")
+    check.add_argument("--seed", type=non_negative_int, default=0)
     add_json(check)
     check.set_defaults(func=check_command)
 
@@ -56,8 +56,6 @@ def check_command(args) -> int:
     from feather_gym.hybrid.agreement import compare_greedy
     from feather_gym.hybrid.model import ensure_hybrid_hf
 
-    if args.prompts < 1 or args.max_new_tokens < 1:
-        raise ValueError("--prompts and --max-new-tokens must be >= 1")
     report = compare_greedy(str(ensure_hybrid_hf(args.model)), num_prompts=args.prompts,
                             max_new_tokens=args.max_new_tokens, seed=args.seed)
     print(f"vLLM vs transformers (bf16, greedy {report['max_new_tokens']} tokens, {report['num_prompts']} prompts of "

@@ -20,7 +20,7 @@ import logging
 import sys
 
 from feather_cli import bench, hybrid, placement, profile, replay, sim, trace, train
-from feather_cli.options import check_required
+from feather_cli.options import add_version, check_required
 
 #: The command groups with their help text (``feather train`` and ``feather export`` are commands).
 GROUPS = {
@@ -99,13 +99,8 @@ class CommandTree:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from importlib.metadata import PackageNotFoundError, version
-
     parser = argparse.ArgumentParser(prog="feather", description="feather-gym: prefix-aware LLM serving inside vLLM")
-    try:
-        parser.add_argument("--version", action="version", version=f"feather-gym {version('feather-gym')}")
-    except PackageNotFoundError:       # run from a source tree that was never installed
-        pass
+    add_version(parser)
     tree = CommandTree(parser)
     for module in GROUP_MODULES:
         module.register(tree)

@@ -2,16 +2,38 @@
 
 * ``-o/--output``: where a command writes its file or folder.
 * ``--workload``: ``NAME=SPEC`` or ``SPEC`` (:func:`traces.resolve_workload`), repeatable where a
-  command takes several; a spec without a name is named by itself.
+  command takes several; a spec without a name is named by its short label
+  (:func:`traces.workload.workload_label`: a generator's kind, a trace's name), which printed
+  tables show; the full spec goes into the JSON reports.
 * ``--policies``: comma-separated policy names or ``*.onnx`` files.
 * ``--json``: the report as one JSON object on the last line of stdout.
+* ``--version``: ``feather-gym VERSION`` of ``feather`` and ``feather-train`` alike.
 * ``--all-at-once`` / ``--time-scale``: how a live bench submits a trace's requests.
+
+Numbers mean what they say: a count or a size takes :func:`positive_int` (or
+:func:`non_negative_int` where 0 means something, e.g. ``--seed``), so a value out of range is
+refused by argparse with a one-line ``error: argument --FLAG: ...`` and exit status 2, never
+replaced by a default.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+
+
+def package_version() -> str:
+    """The installed feather-gym's version, or ``unknown (not installed)`` from a bare source tree."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("feather-gym")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def add_version(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--version", action="version", version=f"feather-gym {package_version()}")
 
 
 def add_json(parser: argparse.ArgumentParser) -> None:
@@ -60,21 +82,27 @@ def add_workloads(parser: argparse.ArgumentParser, help: str, *, repeat: bool = 
 
 
 def split_workload(text: str) -> tuple[str, str]:
-    """``"NAME=SPEC"`` -> ``(NAME, SPEC)``; ``"SPEC"`` -> ``(SPEC, SPEC)``.
+    """``"NAME=SPEC"`` -> ``(NAME, SPEC)``; ``"SPEC"`` -> ``(label, SPEC)``, ``label`` its
+    :func:`~traces.workload.workload_label`.
 
     ``kind:key=value`` has its '=' after a ':', so only a '=' before any ':' names the workload.
     """
+    from traces.workload import workload_label
+
     name, sep, spec = text.partition("=")
     if not sep or ":" in name:
-        return text, text
+        return workload_label(text), text
     return name, spec
 
 
-def parse_workloads(specs: list[str] | None) -> dict[str, str] | None:
-    """``--workload`` values -> ``{name: spec}`` (:func:`split_workload`); ``None`` when none was given."""
-    if not specs:
+def parse_workloads(texts: list[str] | None) -> dict[str, str] | None:
+    """``--workload`` values -> ``{name: spec}`` (:func:`split_workload`), the names made unique
+    (:func:`~traces.workload.workload_labels`); ``None`` when none was given."""
+    from traces.workload import workload_labels
+
+    if not texts:
         return None
-    return dict(split_workload(text) for text in specs)
+    return dict(zip(workload_labels(texts), (split_workload(text)[1] for text in texts)))
 
 
 def add_policies(parser: argparse.ArgumentParser, default: str, help: str) -> None:
@@ -94,7 +122,7 @@ def add_submission(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--all-at-once", action="store_true",
                         help="submit every request before the first step (default: each at its trace arrival "
                              "time, the regime feather-train trains in)")
-    parser.add_argument("--time-scale", type=float, default=1.0,
+    parser.add_argument("--time-scale", type=positive_float, default=1.0,
                         help="multiply the trace's arrival times by this (default 1; not with --all-at-once)")
 
 
@@ -105,15 +133,58 @@ def submission(args: argparse.Namespace) -> dict:
     return {"online": not args.all_at_once, "time_scale": args.time_scale}
 
 
-def int_list(text: str) -> list[int]:
-    """argparse type: ``"1000,5000"`` -> ``[1000, 5000]`` (positive integers)."""
-    try:
-        values = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
-    return values
+def bounded(kind, low, high=None, *, above: bool = False):
+    """An argparse ``type``: ``kind(text)`` at least ``low`` (``above``: greater than ``low``) and
+    at most ``high`` when given; anything else is an ``ArgumentTypeError``, which argparse prints
+    after the flag's name."""
+    relation = ">" if above else ">="
+    expected = f"{relation} {low}" + ("" if high is None else f" and <= {high}")
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {'an integer' if kind is int else 'a number'}, "
+                                             f"got {text!r}") from None
+        if not ((value > low if above else value >= low) and (high is None or value <= high)):
+            raise argparse.ArgumentTypeError(f"must be {expected}, got {text}")
+        return value
+
+    parse.__name__ = f"{kind.__name__} {expected}"
+    return parse
+
+
+#: argparse types of counts, sizes and seeds (:func:`bounded`).
+positive_int = bounded(int, 1)
+non_negative_int = bounded(int, 0)
+positive_float = bounded(float, 0, above=True)
+non_negative_float = bounded(float, 0.0)
+#: A share in (0, 1].
+fraction = bounded(float, 0, 1, above=True)
+
+
+def int_list_type(low: int = 1, *, allow_empty: bool = False):
+    """An argparse ``type``: ``"1000,5000"`` -> ``[1000, 5000]``, every integer at least ``low``
+    and at least one (``allow_empty``: ``""`` is ``[]``)."""
+    kind = {1: "positive", 0: "non-negative"}.get(low, f">= {low}")
+
+    def parse(text: str) -> list[int]:
+        try:
+            values = [int(part) for part in text.split(",") if part.strip()]
+        except ValueError:
+            values = None
+        if values == [] and allow_empty and not text.strip():
+            return []
+        if not values or min(values) < low:
+            raise argparse.ArgumentTypeError(f"expected comma-separated {kind} integers, got {text!r}")
+        return values
+
+    parse.__name__ = "int_list"
+    return parse
+
+
+#: ``"1000,5000"`` -> ``[1000, 5000]``: one or more positive integers (:func:`int_list_type`).
+int_list = int_list_type()
 
 
 def print_report(text: str, report: dict, *, as_json: bool) -> int:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 
 from cache_core.hybrid.placement_eval import DEFAULT_BLOCK_SIZE, DEFAULT_BUDGETS
-from feather_cli.options import add_json
+from feather_cli.options import add_json, fraction, int_list_type, non_negative_int, positive_int
 
 
 def register(tree) -> None:
@@ -33,17 +33,17 @@ def register(tree) -> None:
     evaluate = placement.add_parser("eval", help="recompute vs states stored: exact DP and heuristics on a workload")
     evaluate.add_argument("--workload", required=True, metavar="GEN_OR_FILE",
                           help="trace file, shared trace (mooncake, azure-conv) or KIND[:key=value,...]")
-    evaluate.add_argument("--budgets", default=",".join(map(str, DEFAULT_BUDGETS)),
+    evaluate.add_argument("--budgets", type=int_list_type(0), default=",".join(map(str, DEFAULT_BUDGETS)),
                           help="comma-separated checkpoint budgets (default 1,2,4,...,256)")
-    evaluate.add_argument("--block-size", type=int, default=None,
+    evaluate.add_argument("--block-size", type=positive_int, default=None,
                           help=f"block size in tokens (default: the trace's own block size, else {DEFAULT_BLOCK_SIZE})")
-    evaluate.add_argument("--cache-blocks", type=int, default=None,
+    evaluate.add_argument("--cache-blocks", type=positive_int, default=None,
                           help="LRU prefix cache capacity in blocks for the overlap depths (default: infinite)")
-    evaluate.add_argument("--decay", type=float, default=0.999,
+    evaluate.add_argument("--decay", type=fraction, default=0.999,
                           help="online estimator: per-observation decay of the depth histogram (default 0.999)")
-    evaluate.add_argument("--resolve-every", type=int, default=64,
+    evaluate.add_argument("--resolve-every", type=positive_int, default=64,
                           help="online estimator: re-solve after this many requests (default 64)")
-    evaluate.add_argument("--seed", type=int, default=0, help="generator seed (default 0)")
+    evaluate.add_argument("--seed", type=non_negative_int, default=0, help="generator seed (default 0)")
     evaluate.add_argument("--model", metavar="hybrid|DIR", default=None,
                           help="hybrid model whose config gives the cache layout (state and KV bytes): "
                                "'hybrid' for the trained one, or a model folder")
@@ -55,7 +55,7 @@ def register(tree) -> None:
                                "SuffixReplay and DP + SuffixReplay at equal bytes")
     evaluate.add_argument("--replay-method", default="uniform", choices=("uniform", "layerwise"),
                           help="which measured anchors --replay uses (default uniform: every GDN layer)")
-    evaluate.add_argument("--replay-tokens", type=int, default=16,
+    evaluate.add_argument("--replay-tokens", type=positive_int, default=16,
                           help="anchors R per anchored layer per page for --replay (default 16)")
     evaluate.add_argument("--replay-accounting", default="tree", choices=("tree", "path"),
                           help="bytes for --replay: on the workload's whole prefix tree (default) or per shared "
@@ -66,25 +66,14 @@ def register(tree) -> None:
 
     bench = tree.group("bench")
     solver = bench.add_parser("placement", help="exact placement solver vs the O(M N^2) oracle (same run)")
-    solver.add_argument("--positions", type=int, default=4096, help="horizon N in blocks (default 4096)")
-    solver.add_argument("--budget", type=int, default=256, help="checkpoint budget M (default 256)")
-    solver.add_argument("--repeats", type=int, default=5, help="timed runs of the fast solver (default 5)")
-    solver.add_argument("--oracle-budget", type=int, default=None,
+    solver.add_argument("--positions", type=positive_int, default=4096, help="horizon N in blocks (default 4096)")
+    solver.add_argument("--budget", type=positive_int, default=256, help="checkpoint budget M (default 256)")
+    solver.add_argument("--repeats", type=positive_int, default=5, help="timed runs of the fast solver (default 5)")
+    solver.add_argument("--oracle-budget", type=positive_int, default=None,
                         help="time the oracle at this many layers and extrapolate linearly (default: the full budget)")
-    solver.add_argument("--seed", type=int, default=0)
+    solver.add_argument("--seed", type=non_negative_int, default=0)
     add_json(solver)
     solver.set_defaults(func=bench_command)
-
-
-def parse_budgets(text: str) -> list[int]:
-    """``"1,2,4"`` -> ``[1, 2, 4]``; ``ValueError`` for anything but non-negative integers."""
-    try:
-        budgets = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise ValueError(f"--budgets expects comma-separated integers, got {text!r}") from None
-    if not budgets or min(budgets) < 0:
-        raise ValueError(f"--budgets expects non-negative integers, got {text!r}")
-    return budgets
 
 
 def eval_command(args) -> int:
@@ -93,11 +82,9 @@ def eval_command(args) -> int:
     from feather_gym.hybrid.placement_inputs import load_layout, load_prefill, load_replay
     from traces.workload import resolve_workload
 
-    if args.block_size is not None and args.block_size < 1:
-        raise ValueError(f"--block-size must be >= 1, got {args.block_size}")
     report = {"workload": args.workload, "cache_blocks": args.cache_blocks, "model": args.model,
               **evaluate_workload(resolve_workload(args.workload, seed=args.seed), block_size=args.block_size,
-                                  cache_blocks=args.cache_blocks, budgets=parse_budgets(args.budgets),
+                                  cache_blocks=args.cache_blocks, budgets=args.budgets,
                                   decay=args.decay, resolve_every=args.resolve_every,
                                   layout=None if args.model is None else load_layout(args.model),
                                   prefill=None if args.prefill_profile is None else load_prefill(args.prefill_profile),

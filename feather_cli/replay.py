@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from feather_cli.options import add_json
+from feather_cli.options import add_json, int_list, int_list_type, non_negative_int, positive_int
 from feather_gym.hybrid.replay_eval import DEFAULT_WORKLOAD
 
 
@@ -13,45 +13,35 @@ def register(tree) -> None:
     replay = tree.group("replay")
     ev = replay.add_parser("eval", help="state error, quality retention, storage and rebuild time of SuffixReplay")
     ev.add_argument("--model", default="trained", metavar="trained|tiny|DIR", help="hybrid model (default trained)")
-    ev.add_argument("--page", type=int, default=256, help="page size in tokens (default 256)")
-    ev.add_argument("--prefix-tokens", default="1024,2048", help="prefix lengths p, multiples of --page")
-    ev.add_argument("--replay-tokens", default="16,32,64,128,256", help="replay lengths R per layer")
-    ev.add_argument("--continuation-tokens", type=int, default=64, help="tokens scored after p (default 64)")
-    ev.add_argument("--samples", type=int, default=4, help="held-out windows per prefix length (default 4)")
-    ev.add_argument("--needles", type=int, default=8, help="needles per placement (default 8; 0 skips)")
-    ev.add_argument("--time-prefix-tokens", default="4096,16384,32768",
+    ev.add_argument("--page", type=positive_int, default=256, help="page size in tokens (default 256)")
+    ev.add_argument("--prefix-tokens", type=int_list, default="1024,2048", help="prefix lengths p, multiples of --page")
+    ev.add_argument("--replay-tokens", type=int_list, default="16,32,64,128,256", help="replay lengths R per layer")
+    ev.add_argument("--continuation-tokens", type=positive_int, default=64, help="tokens scored after p (default 64)")
+    ev.add_argument("--samples", type=positive_int, default=4, help="held-out windows per prefix length (default 4)")
+    ev.add_argument("--needles", type=non_negative_int, default=8, help="needles per placement (default 8; 0 skips)")
+    ev.add_argument("--time-prefix-tokens", type=int_list_type(allow_empty=True), default="4096,16384,32768",
                     help="prefix lengths whose recomputation is timed ('' skips)")
     ev.add_argument("--anchor-dtype", default="bfloat16",
                     help="anchor store dtype: the anchors replayed and the bytes counted (default bfloat16)")
     ev.add_argument("--workload", default=DEFAULT_WORKLOAD, metavar="GEN_OR_FILE",
                     help=f"workload whose overlap depths the storage comparison uses (default {DEFAULT_WORKLOAD}; "
                          "'' skips)")
-    ev.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    ev.add_argument("--seed", type=int, default=0)
+    ev.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: torch's)")
+    ev.add_argument("--seed", type=non_negative_int, default=0)
     add_json(ev)
     ev.set_defaults(func=eval_command)
-
-
-def _ints(text: str, flag: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise ValueError(f"{flag} expects comma-separated integers, got {text!r}") from None
-    if any(v < 1 for v in values):
-        raise ValueError(f"{flag} expects positive integers, got {text!r}")
-    return values
 
 
 def eval_command(args) -> int:
     from feather_gym.hybrid.replay_eval import evaluate as evaluate_replay
 
-    prefixes = _ints(args.prefix_tokens, "--prefix-tokens")
-    if not prefixes or any(p % args.page for p in prefixes):
-        raise ValueError(f"--prefix-tokens must be non-empty multiples of --page {args.page}: {prefixes}")
+    prefixes = args.prefix_tokens
+    if any(p % args.page for p in prefixes):
+        raise ValueError(f"--prefix-tokens must be multiples of --page {args.page}: {prefixes}")
     report = evaluate_replay(args.model, page=args.page, prefixes=prefixes,
-                      replay_tokens=_ints(args.replay_tokens, "--replay-tokens"),
+                      replay_tokens=args.replay_tokens,
                       continuation=args.continuation_tokens, samples=args.samples, needles=args.needles,
-                      time_prefixes=_ints(args.time_prefix_tokens, "--time-prefix-tokens"),
+                      time_prefixes=args.time_prefix_tokens,
                       anchor_dtype=args.anchor_dtype, workload=args.workload, threads=args.threads,
                       seed=args.seed)
     from feather_gym.hybrid.replay_eval import print_report

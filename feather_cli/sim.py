@@ -10,8 +10,11 @@ from feather_cli.options import (
     add_policies,
     add_submission,
     add_workloads,
+    non_negative_int,
     parse_policies,
     parse_workloads,
+    positive_float,
+    positive_int,
     split_workload,
     submission,
 )
@@ -37,8 +40,8 @@ def register(tree) -> None:
     compare.add_argument("--profile", default=None,
                          help="cost-model profile name or file (default: this machine's, hardware_profile())")
     add_policies(compare, DEFAULT_POLICIES, "comma-separated policy names or *.onnx files")
-    compare.add_argument("--seed", type=int, default=0, help="seed of generated workloads")
-    compare.add_argument("--max-requests", type=int, default=None,
+    compare.add_argument("--seed", type=non_negative_int, default=0, help="seed of generated workloads")
+    compare.add_argument("--max-requests", type=positive_int, default=None,
                          help="simulate only the first N requests of the trace (a truncated window)")
     compare.add_argument("--model", default=None, metavar="hybrid|tiny|DIR",
                          help="simulate a hybrid model's recurrent-state cache: its layout comes from the model's "
@@ -46,10 +49,11 @@ def register(tree) -> None:
                               "by default the trained hybrid's measured vllm-cpu-hybrid")
     compare.add_argument("--placements", default="vllm,dp",
                          help="--model: recurrent-state placements to compare, comma-separated (vllm, dp, grid)")
-    compare.add_argument("--max-states", type=int, default=32, help="--model: recurrent states kept at most")
-    compare.add_argument("--anchor-pages", type=int, default=0,
+    compare.add_argument("--max-states", type=non_negative_int, default=32,
+                         help="--model: recurrent states kept at most")
+    compare.add_argument("--anchor-pages", type=non_negative_int, default=0,
                          help="--model: SuffixReplay anchors on at most this many prompt pages (default 0: none)")
-    compare.add_argument("--kv-tokens", type=int, default=None,
+    compare.add_argument("--kv-tokens", type=positive_int, default=None,
                          help="KV-cache capacity in tokens, the state reserve included (default: the profile's)")
     compare.add_argument("--plot", metavar="FILE", help="write a bar chart (PNG) of throughput and TTFT")
     add_json(compare)
@@ -66,9 +70,9 @@ def register(tree) -> None:
                        help="latency SLO of goodput (default per profile device: " + ", ".join(
                            f"{device} ttft={slo.ttft_s:g}s,tpot={slo.tpot_s * 1e3:g}ms"
                            for device, slo in DEFAULT_SLOS.items()) + ")")
-    sweep.add_argument("--seed", type=int, default=0, help="seed of generated workloads")
-    sweep.add_argument("--max-requests", type=int, default=None, help="only the first N requests of the trace")
-    sweep.add_argument("--kv-tokens", type=int, default=None,
+    sweep.add_argument("--seed", type=non_negative_int, default=0, help="seed of generated workloads")
+    sweep.add_argument("--max-requests", type=positive_int, default=None, help="only the first N requests of the trace")
+    sweep.add_argument("--kv-tokens", type=positive_int, default=None,
                        help="KV-cache capacity in tokens (default: the profile's)")
     sweep.add_argument("--plot", metavar="FILE", help="write TTFT p99 and goodput against load (PNG)")
     add_json(sweep)
@@ -80,16 +84,17 @@ def register(tree) -> None:
     add_policies(validate, ",".join(VALIDATE_POLICIES),
                  "comma-separated: fcfs (vLLM's scheduler), feather-rule, *.onnx")
     validate.add_argument("--profile", default=None, help="cost-model profile (default: this hardware's)")
-    validate.add_argument("--rounds", type=int, default=3, help="live rounds per policy (default 3)")
+    validate.add_argument("--rounds", type=positive_int, default=3, help="live rounds per policy (default 3)")
     add_submission(validate)
-    validate.add_argument("--kv-cache-gib", type=float, default=None,
+    validate.add_argument("--kv-cache-gib", type=positive_float, default=None,
                           help="KV cache (GiB; default $VLLM_CPU_KVCACHE_SPACE, else the bench's 0.25)")
-    validate.add_argument("--max-wait-steps", type=int, default=DEFAULT_MAX_WAIT_STEPS,
+    validate.add_argument("--max-wait-steps", type=non_negative_int, default=DEFAULT_MAX_WAIT_STEPS,
                           help=f"the admission's waiting-time bound in engine steps (default {DEFAULT_MAX_WAIT_STEPS})")
-    validate.add_argument("--max-input-tokens", type=int, default=None, help="cut prompts to this many tokens")
-    validate.add_argument("--max-output-tokens", type=int, default=None, help="cut outputs to this many tokens")
-    validate.add_argument("--seed", type=int, default=0, help="the workload's (first) seed (default 0)")
-    validate.add_argument("--seeds", type=int, default=1,
+    validate.add_argument("--max-input-tokens", type=positive_int, default=None, help="cut prompts to this many tokens")
+    validate.add_argument("--max-output-tokens", type=positive_int, default=None,
+                          help="cut outputs to this many tokens")
+    validate.add_argument("--seed", type=non_negative_int, default=0, help="the workload's (first) seed (default 0)")
+    validate.add_argument("--seeds", type=positive_int, default=1,
                           help="seeds per workload: --seed, --seed + 1, ... (default 1); a summary over them")
     add_json(validate)
     validate.set_defaults(func=validate_command)
@@ -104,8 +109,6 @@ def compare_command(args) -> int:
 
     names = parse_policies(args.policies)
     label, spec = split_workload(args.workload)
-    if args.max_requests is not None and args.max_requests < 1:
-        raise ValueError("--max-requests must be >= 1")
     cost_model = load_cost_model(args.profile or (hardware_profile() if args.model is None else HYBRID_CPU_PROFILE))
     config = EngineConfig(kv_capacity_tokens=args.kv_tokens)
     trace, load = resolve_at_load(spec, seed=args.seed, cost_model=cost_model, config=config,
@@ -114,7 +117,7 @@ def compare_command(args) -> int:
         print(f"load {load['load']:g} of FCFS's capacity ({load['capacity_requests_per_s']:.4g} requests/s, "
               f"{load['capacity_rate_factor']:.4g}x the recorded rate): {load['arrival_rate_req_s']:.4g} requests/s")
     if args.model is None:
-        results = compare_policies(trace, cost_model, names, EngineConfig(kv_capacity_tokens=args.kv_tokens))
+        results = compare_policies(trace, cost_model, names, config)
     else:
         configs, description = hybrid_configs(args.model, placements=parse_policies(args.placements),
                                               max_states=args.max_states, anchor_pages=args.anchor_pages,
@@ -141,8 +144,6 @@ def sweep_command(args) -> int:
     from feather_gym.sweep import format_sweep, load_sweep, parse_slo, plot_sweep
 
     label, spec = split_workload(args.workload)
-    if args.max_requests is not None and args.max_requests < 1:
-        raise ValueError("--max-requests must be >= 1")
     cost_model = load_cost_model(args.profile or hardware_profile())
     slo = parse_slo(args.slo, DEFAULT_SLOS[cost_model.device])
     try:

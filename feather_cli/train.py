@@ -35,7 +35,7 @@ import types
 import typing
 from pathlib import Path
 
-from feather_cli.options import add_json, add_output
+from feather_cli.options import add_json, add_output, add_version
 from trainer.config import OFF, TrainConfig
 
 TRAIN_HELP = "train the Feather policy with RLlib PPO, evaluate it held out, export it to ONNX"
@@ -88,23 +88,45 @@ def _shown(value) -> str:
     return " ".join(map(str, value))
 
 
+#: The :class:`TrainConfig` flags not spelled ``--<field-name-with-dashes>`` or with a metavar
+#: (:func:`add_dataclass_flags`'s ``spelling``; ``"group": BUDGET`` puts a flag in the budget group).
+BUDGET = "budget"
+SPELLING = {
+    "workloads": {"flags": ("--workload",), "action": "append", "nargs": None, "metavar": "SPEC"},
+    "kv_capacity_tokens": {"metavar": "TOKENS"},
+    "max_wait_steps": {"metavar": "STEPS"},
+    "iterations": {"group": BUDGET, "metavar": "N"},
+    "time_budget_s": {"flags": ("--time-budget",), "group": BUDGET, "metavar": "SECONDS"},
+    "num_env_runners": {"flags": ("--env-runners",), "metavar": "N"},
+    "output_dir": {"flags": ("-o", "--output"), "metavar": "DIR"},
+    "resume": {"metavar": "RUN_DIR|CHECKPOINT"},
+    "num_candidates": {"metavar": "K"},
+    "warm_start": {"metavar": "BASELINE"},
+    "improve_warm_start": {"metavar": "MIN_GAIN|off"},
+}
+
+
+def setting_flag(name: str) -> str:
+    """The long flag of :class:`TrainConfig` setting ``name`` (``kv_capacity_tokens`` -> ``--kv-capacity-tokens``)."""
+    return SPELLING.get(name, {}).get("flags", ("--" + name.replace("_", "-"),))[-1]
+
+
+def flag_error(exc: ValueError, flags: dict) -> ValueError:
+    """``exc`` with its leading setting name (``"iterations: ..."``) replaced by the flag's,
+    when that setting was given as a flag (a config file's setting keeps its name)."""
+    name, sep, rest = str(exc).partition(": ")
+    if sep and flags.get(name) is not None:
+        return ValueError(f"argument {setting_flag(name)}: {rest}")
+    return exc
+
+
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=Path,
                         help="YAML (.yaml/.yml) or TOML (.toml) file of settings; flags override it")
     budget = parser.add_mutually_exclusive_group()
     add_dataclass_flags(parser, TrainConfig, {
-        "workloads": {"flags": ("--workload",), "action": "append", "nargs": None, "metavar": "SPEC"},
-        "kv_capacity_tokens": {"metavar": "TOKENS"},
-        "max_wait_steps": {"metavar": "STEPS"},
-        "iterations": {"group": budget, "metavar": "N"},
-        "time_budget_s": {"flags": ("--time-budget",), "group": budget, "metavar": "SECONDS"},
-        "num_env_runners": {"flags": ("--env-runners",), "metavar": "N"},
-        "output_dir": {"flags": ("-o", "--output"), "metavar": "DIR"},
-        "resume": {"metavar": "RUN_DIR|CHECKPOINT"},
-        "num_candidates": {"metavar": "K"},
-        "warm_start": {"metavar": "BASELINE"},
-        "improve_warm_start": {"metavar": "MIN_GAIN|off"},
-    })
+        name: {**options, "group": budget} if options.get("group") == BUDGET else options
+        for name, options in SPELLING.items()})
     add_json(parser)
     parser.set_defaults(func=train_command)
 
@@ -135,7 +157,11 @@ def train_command(args: argparse.Namespace) -> int:
     from trainer.config import run_config
     from trainer.train import train
 
-    summary = train(run_config(train_flags(args), args.config))
+    flags = train_flags(args)
+    try:
+        summary = train(run_config(flags, args.config))
+    except ValueError as exc:
+        raise flag_error(exc, flags) from exc
     print(f"wrote {summary['policy']}, {Path(summary['policy']).parent / 'summary.json'}; "
           f"trained {summary['train_s']:.0f} s, total {summary['total_s']:.0f} s")
     if args.json:
@@ -159,6 +185,7 @@ def build_train_parser() -> argparse.ArgumentParser:
     ``feather export``)."""
     parser = argparse.ArgumentParser(prog="feather-train", description=TRAIN_HELP,
                                      epilog="Export a checkpoint: feather export CHECKPOINT -o policy.onnx.")
+    add_version(parser)
     add_train_arguments(parser)
     old = parser.add_subparsers(dest="old_command", required=False, help=argparse.SUPPRESS)
     add_export_arguments(old.add_parser("export", prog="feather-train export"))

@@ -8,6 +8,7 @@ when it is much longer, requests queue and the order of admission decides the th
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 DEFAULT_POLICIES = "fcfs,lpm,dfs,feather-rule,group-label"
 
@@ -20,7 +21,7 @@ def compare_policies(trace, cost_model, policy_names: list[str], config=None) ->
     from feather_gym.simulator import EngineConfig, simulate, trace_digests
 
     config = config or EngineConfig()
-    digests = trace_digests(trace, config.block_size or cost_model.block_size)
+    digests = trace_digests(trace, config.resolve(cost_model).block_size)
     results = {}
     for name in dict.fromkeys(["fcfs", *policy_names]):
         start = time.perf_counter()
@@ -34,18 +35,17 @@ def compare_policies(trace, cost_model, policy_names: list[str], config=None) ->
 
 def hybrid_configs(model: str, *, placements: list[str], max_states: int, anchor_pages: int,
                    kv_tokens: int | None) -> tuple[dict, str]:
-    """``({placement: EngineConfig}, description)`` of a hybrid model (``hybrid`` = the trained one,
-    ``tiny``, or a model folder); the layout needs the model's config only, not its weights."""
+    """``({placement: EngineConfig}, description)`` of a hybrid model (``hybrid`` or ``trained`` = the
+    trained one, ``tiny``, or a local model folder, :func:`~feather_gym.hybrid.model.resolve_model`);
+    the layout needs the model's config only, not its weights."""
     from cache_core.hybrid.layout import HybridCacheLayout
-    from feather_gym.hybrid.model import SPECS, hybrid_dir, is_built
+    from feather_gym.hybrid.model import SPECS, is_built, resolve_model
     from feather_gym.hybrid.state_keeping import HybridSimConfig
     from feather_gym.simulator import EngineConfig
 
-    kind = {"hybrid": "trained", "tiny": "tiny"}.get(model)
-    if kind is None:
-        layout = HybridCacheLayout.from_model_dir(model)
-    elif is_built(kind):
-        layout = HybridCacheLayout.from_model_dir(hybrid_dir(kind))
+    kind, folder = resolve_model(model)
+    if kind is None or is_built(kind):
+        layout = HybridCacheLayout.from_model_dir(folder)
     else:
         layout = HybridCacheLayout.from_hf_config(SPECS[kind][0].config(vocab_size=1))
     state_blocks = HybridSimConfig.state_blocks_for(layout)
@@ -62,15 +62,17 @@ def hybrid_configs(model: str, *, placements: list[str], max_states: int, anchor
 
 
 def format_comparison(results: dict[str, dict]) -> str:
-    """One row per policy: throughput, ratio to FCFS, makespan, TTFT, TPOT, queueing, preemptions."""
-    rows = [f"{'policy':<22}{'tok/s':>10}{'x FCFS':>8}{'makespan s':>12}{'TTFT mean s':>13}{'TTFT p99 s':>12}"
-            f"{'TPOT ms':>9}{'queue mean s':>14}{'queue p99 s':>13}{'max wait s':>12}{'preempt':>9}"]
-    for name, m in results.items():
-        rows.append(f"{name[-22:]:<22}{m['throughput_tok_s']:>10.1f}{m['ratio_to_fcfs']:>8.2f}{m['makespan_s']:>12.3f}"
-                    f"{m['ttft_mean_s']:>13.3f}{m['ttft_p99_s']:>12.3f}{m['tpot_mean_ms']:>9.2f}"
-                    f"{m['queue_delay_mean_s']:>14.3f}{m['queue_delay_p99_s']:>13.3f}{m['longest_wait_s']:>12.3f}"
-                    f"{m['preemptions']:>9d}")
-    return "\n".join(rows)
+    """One row per policy: throughput, ratio to FCFS, makespan, TTFT, TPOT, queueing, preemptions
+    (a :func:`traces.table.format_table`, within its width)."""
+    from traces.table import format_table
+
+    header = ["policy", "tok/s", "x FCFS", "makespan s", "TTFT s", "TTFT p99 s", "TPOT ms", "queue s",
+              "queue p99 s", "max wait s", "preempt"]
+    rows = [[Path(name).name, f"{m['throughput_tok_s']:.1f}", f"{m['ratio_to_fcfs']:.2f}", f"{m['makespan_s']:.3f}",
+             f"{m['ttft_mean_s']:.3f}", f"{m['ttft_p99_s']:.3f}", f"{m['tpot_mean_ms']:.2f}",
+             f"{m['queue_delay_mean_s']:.3f}", f"{m['queue_delay_p99_s']:.3f}", f"{m['longest_wait_s']:.3f}",
+             m["preemptions"]] for name, m in results.items()]
+    return format_table(header, rows)
 
 
 def plot_comparison(results: dict[str, dict], path: str, *, title: str) -> None:

@@ -102,7 +102,11 @@ _DIGEST_MASK = (1 << 64) - 1
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """vLLM engine limits; ``None`` takes the cost model's (its profile's engine, see :meth:`resolve`)."""
+    """vLLM engine limits; ``None`` takes the cost model's (its profile's engine, see :meth:`resolve`).
+
+    Invariant: every limit given is >= 1 (``max_wait_steps`` >= 0); a value out of range is a
+    ``ValueError`` naming the field when the config is built, never replaced by a default.
+    """
 
     token_budget: int | None = None        #: max_num_batched_tokens per step
     max_num_seqs: int = 256                #: running requests at most
@@ -111,16 +115,23 @@ class EngineConfig:
     max_wait_steps: int = DEFAULT_MAX_WAIT_STEPS  #: waiting-time bound of the admission, in engine steps (as deployed)
     hybrid: HybridSimConfig | None = None  #: a hybrid model's recurrent-state cache (None: dense model)
 
+    def __post_init__(self) -> None:
+        for name in ("token_budget", "max_num_seqs", "block_size", "kv_capacity_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name}: must be >= 1, got {value}")
+        check_max_wait_steps(self.max_wait_steps)
+
     def resolve(self, cost_model: CostModel) -> EngineConfig:
-        """This config with every ``None`` filled from ``cost_model``; validated."""
-        config = replace(self, token_budget=self.token_budget or cost_model.token_budget,
-                         block_size=self.block_size or cost_model.block_size,
-                         kv_capacity_tokens=self.kv_capacity_tokens or cost_model.kv_capacity_tokens)
-        if min(config.token_budget, config.max_num_seqs, config.block_size) < 1:
-            raise ValueError(f"{config}: token_budget, max_num_seqs and block_size must be >= 1")
+        """This config with every ``None`` (and only ``None``) filled from ``cost_model``; validated."""
+        def given(value, default):
+            return default if value is None else value
+
+        config = replace(self, token_budget=given(self.token_budget, cost_model.token_budget),
+                         block_size=given(self.block_size, cost_model.block_size),
+                         kv_capacity_tokens=given(self.kv_capacity_tokens, cost_model.kv_capacity_tokens))
         if config.max_num_seqs > config.token_budget:
             raise ValueError(f"{config}: max_num_seqs must not exceed token_budget (every decode takes a token)")
-        check_max_wait_steps(config.max_wait_steps)
         if config.kv_blocks < 1:
             raise ValueError(f"{config}: no KV block is left beside the recurrent-state reserve")
         return config

@@ -13,7 +13,7 @@ def test_headroom_pairs_the_playout_and_a_policy_with_the_rule(capsys):
                  "--policies", "feather-rule", "--json"]) == 0
     out = capsys.readouterr().out
     report = json.loads(out.strip().splitlines()[-1])
-    assert "rule_playout_sampled" in out.splitlines()[1]                    # a column of the table
+    assert "rule_playout_sampled" in out.splitlines()[2]                    # a column of the table
     assert report["profile"] == "vllm-cpu" and report["seeds"] == [10_001, 10_002] and report["elapsed_s"] > 0
     assert len(report["workloads"]) == 7                                     # the CPU mix
     for row in report["workloads"]:

@@ -313,7 +313,9 @@ def test_resolve_workload_file(tmp_path):
     ("prefix-groups:homogeneity=2", "homogeneity must be in"),
     ("multi-turn-chat:turns_min=5,turns_max=4", "turns_min <= turns_max"),
     ("tool-agent:rate=3", "valid keys"),
-    ("no-sharing:num_requests=-1", "must be >= 0"),
+    ("no-sharing:num_requests=-1", "num_requests must be >= 1, got -1"),
+    ("tool-agent:call_gap_s=-1", "call_gap_s must be >= 0, got -1"),
+    ("tool-agent:tools_per_task=65", "need tools_per_task <= tool_pool"),
 ])
 def test_resolve_workload_errors(spec, message):
     with pytest.raises(ValueError, match=message):

@@ -25,7 +25,8 @@ def test_every_setting_is_a_flag_with_help():
     for field in dataclasses.fields(TrainConfig):
         assert field.metadata["help"].strip(), field.name
         assert options[field.name] == spelled.get(field.name, ["--" + field.name.replace("_", "-")])
-    assert set(options) == {f.name for f in dataclasses.fields(TrainConfig)} | {"help", "config", "json", "old_command"}
+    assert set(options) == ({f.name for f in dataclasses.fields(TrainConfig)}
+                            | {"help", "version", "config", "json", "old_command"})
 
 
 def test_the_flags_keep_their_spelling():
@@ -126,10 +127,10 @@ def test_config_file_errors_name_the_file_and_setting(tmp_path):
     (["--workload", "prefix-groups:groupz=3"], "valid keys"),
     (["--profile", "tpu-v9"], "no profile 'tpu-v9'"),
     (["--profile", "/nonexistent/profile.json"], "profile.json"),
-    (["--iterations", "0"], "iterations: must be >= 1"),
+    (["--iterations", "0"], "argument --iterations: must be >= 1"),
     (["--resume", "/nonexistent/checkpoint"], "checkpoint directory /nonexistent/checkpoint does not exist"),
-    (["--warm-start", "fifo"], "warm_start: 'fifo' is not a baseline"),
-    (["--max-wait-steps", "-1"], "max_wait_steps must be a whole number of engine steps >= 0"),
+    (["--warm-start", "fifo"], "argument --warm-start: 'fifo' is not a baseline"),
+    (["--max-wait-steps", "-1"], "argument --max-wait-steps: must be >= 0, got -1"),
 ])
 def test_bad_input_fails_fast_with_a_clear_error(tmp_path, capsys, argv, message):
     assert main(argv + ["--output", str(tmp_path / "out")]) == 2
@@ -139,9 +140,9 @@ def test_bad_input_fails_fast_with_a_clear_error(tmp_path, capsys, argv, message
 
 
 @pytest.mark.parametrize("settings,message", [
-    ({"workload_instances": 0}, "workload_instances: must be in"),
-    ({"clone_smoothing": 1.0}, "clone_smoothing: must be in"),
-    ({"improve_warm_start": -0.1}, "improve_warm_start: the minimum gain must be >= 0"),
+    ({"workload_instances": 0}, "workload_instances: must be >= 1 and <= 1000"),
+    ({"clone_smoothing": 1.0}, "clone_smoothing: must be >= 0 and < 1"),
+    ({"improve_warm_start": -0.1}, "improve_warm_start: must be >= 0"),
 ])
 def test_bad_training_settings_name_the_setting(settings, message):
     with pytest.raises(ValueError, match=message):
@@ -233,7 +234,7 @@ def test_trace_files_train_on_the_earlier_part_and_evaluate_on_the_later(tmp_pat
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--eval-fraction", "1.5"], "eval_fraction: must be in (0, 1)"),
+    (["--eval-fraction", "1.5"], "argument --eval-fraction: must be > 0 and < 1, got 1.5"),
     (["--seed", "9001"], "training env seeds (seed + 1000 x env runner) and eval_seeds share seed 10001"),
 ])
 def test_split_settings_fail_fast_on_the_command_line(tmp_path, capsys, argv, message):

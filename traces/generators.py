@@ -15,7 +15,10 @@ no-sharing          Azure LLM trace 2023 (conv) lengths; control   none
 =================== ============================================= =========================
 
 Each generator is a frozen dataclass whose fields are its parameters (every size is one);
-``generate(seed)`` is deterministic in (parameters, seed). Prompts are ``token_ids`` (int64)
+``generate(seed)`` is deterministic in (parameters, seed). A parameter's range is declared once,
+in the class's :attr:`~WorkloadGenerator.RANGES` (every other number is >= 0), with
+``X_min <= X_max`` for every pair of fields so named; building a generator checks them all, and
+:func:`parameters` lists them (``feather trace kinds``). Prompts are ``token_ids`` (int64)
 drawn uniformly from the synthetic token range of :mod:`traces.request`, so unrelated
 contents never share a block of 4 or more tokens (collision odds < 1e-17 per block pair).
 Shared contents are built once and concatenated (or sliced: a turn's prompt is a view of
@@ -78,28 +81,57 @@ def log_mean_for(mean: float, log_sd: float) -> float:
 
 
 @dataclass(frozen=True)
+class Range:
+    """The values ``low <= x <= high`` (``above``: ``low < x``; ``high`` None: no upper bound)."""
+
+    low: float = 0
+    high: float | None = None
+    above: bool = False
+
+    def __contains__(self, value) -> bool:
+        return (value > self.low if self.above else value >= self.low) and (self.high is None or value <= self.high)
+
+    def __str__(self) -> str:
+        if self.high is not None:
+            return f"in {'(' if self.above else '['}{self.low:g}, {self.high:g}]"
+        return f"{'>' if self.above else '>='} {self.low:g}"
+
+
+AT_LEAST_1, POSITIVE, SHARE = Range(1), Range(0, above=True), Range(0, 1)
+
+
+@dataclass(frozen=True)
 class WorkloadGenerator(ABC):
-    """A synthetic workload: dataclass fields are its parameters; :meth:`generate` builds it."""
+    """A synthetic workload: dataclass fields are its parameters; :meth:`generate` builds it.
+
+    Invariant (checked when built): every number is in its :attr:`RANGES` entry (default
+    ``>= 0``), ``X_min <= X_max`` for every pair of parameters so named, and :meth:`validate`
+    holds; a parameter that may be None is unchecked when None.
+    """
 
     kind: ClassVar[str]
+    #: Parameter -> its range, where it is not ``>= 0``.
+    RANGES: ClassVar[dict[str, Range]] = {}
 
     def __post_init__(self) -> None:
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
-                raise ValueError(f"{self.kind}: {f.name} must be >= 0, got {value}")
+        names = {f.name for f in fields(self)}
+        for name in names:
+            value = getattr(self, name)
+            if value is not None and value not in self.RANGES.get(name, Range()):
+                raise ValueError(f"{self.kind}: {name} must be {self.RANGES.get(name, Range())}, got {value}")
+        for low in sorted(names):
+            high = low.removesuffix("_min") + "_max"
+            if low.endswith("_min") and high in names:
+                self.require(getattr(self, low) <= getattr(self, high),
+                             f"need {low} <= {high}, got {getattr(self, low)} and {getattr(self, high)}")
         self.validate()
 
     def validate(self) -> None:
-        """Raise ``ValueError`` for inconsistent parameters (all are already >= 0)."""
+        """Raise ``ValueError`` for parameters inconsistent beyond their ranges and ``_min``/``_max`` pairs."""
 
     def require(self, condition: bool, message: str) -> None:
         if not condition:
             raise ValueError(f"{self.kind}: {message}")
-
-    def require_range(self, low: str, high: str, minimum: int = 1) -> None:
-        lo, hi = getattr(self, low), getattr(self, high)
-        self.require(minimum <= lo <= hi, f"need {minimum} <= {low} <= {high}, got {lo} and {hi}")
 
     @abstractmethod
     def build(self, rng: np.random.Generator) -> list[tuple[float, dict]]:
@@ -146,14 +178,9 @@ class PrefixGroups(WorkloadGenerator):
     rate: float = 20.0
     homogeneity: float = 0.0
 
-    def validate(self) -> None:
-        self.require(self.num_requests >= 1 and self.groups >= 1, "num_requests and groups must be >= 1")
-        self.require(self.prefix_tokens is None or self.prefix_tokens >= 1, "prefix_tokens must be >= 1")
-        self.require_range("prefix_tokens_min", "prefix_tokens_max")
-        self.require_range("suffix_tokens_min", "suffix_tokens_max")
-        self.require_range("output_tokens_min", "output_tokens_max")
-        self.require(self.rate > 0, "rate must be > 0")
-        self.require(0 <= self.homogeneity <= 1, f"homogeneity must be in [0, 1], got {self.homogeneity}")
+    RANGES: ClassVar[dict[str, Range]] = {
+        **dict.fromkeys(("num_requests", "groups", "prefix_tokens", "prefix_tokens_min", "suffix_tokens_min",
+                         "output_tokens_min"), AT_LEAST_1), "rate": POSITIVE, "homogeneity": SHARE}
 
     def group_sequence(self, rng: np.random.Generator) -> np.ndarray:
         """Group of each request: a sticky chain (see class docstring), vectorised."""
@@ -198,13 +225,9 @@ class LongDocQA(WorkloadGenerator):
     output_tokens_max: int = 64
     rate: float = 2.0
 
-    def validate(self) -> None:
-        self.require(self.num_requests >= 1, "num_requests must be >= 1")
-        for low, high in (("doc_tokens_min", "doc_tokens_max"), ("questions_min", "questions_max"),
-                          ("question_tokens_min", "question_tokens_max"),
-                          ("output_tokens_min", "output_tokens_max")):
-            self.require_range(low, high)
-        self.require(self.rate > 0, "rate must be > 0")
+    RANGES: ClassVar[dict[str, Range]] = {
+        **dict.fromkeys(("num_requests", "doc_tokens_min", "questions_min", "question_tokens_min",
+                         "output_tokens_min"), AT_LEAST_1), "rate": POSITIVE}
 
     def build(self, rng):
         n = self.num_requests
@@ -251,16 +274,14 @@ class ToolAgent(WorkloadGenerator):
     task_rate: float = 1.0
     call_gap_s: float = 2.0
 
+    RANGES: ClassVar[dict[str, Range]] = {
+        **dict.fromkeys(("num_requests", "system_tokens", "calls_min", "tool_pool", "tools_per_task", "tool_tokens_min",
+                         "query_tokens_min", "call_output_tokens_min", "observation_tokens_min"), AT_LEAST_1),
+        "task_rate": POSITIVE}
+
     def validate(self) -> None:
-        self.require(self.num_requests >= 1 and self.system_tokens >= 1,
-                     "num_requests and system_tokens must be >= 1")
-        for low, high in (("calls_min", "calls_max"), ("tool_tokens_min", "tool_tokens_max"),
-                          ("query_tokens_min", "query_tokens_max"),
-                          ("call_output_tokens_min", "call_output_tokens_max"),
-                          ("observation_tokens_min", "observation_tokens_max")):
-            self.require_range(low, high)
-        self.require(1 <= self.tools_per_task <= self.tool_pool, "need 1 <= tools_per_task <= tool_pool")
-        self.require(self.task_rate > 0, "task_rate must be > 0")
+        """``tools_per_task <= tool_pool``: a task's tools are drawn without replacement."""
+        self.require(self.tools_per_task <= self.tool_pool, "need tools_per_task <= tool_pool")
 
     def build(self, rng):
         system = random_tokens(rng, self.system_tokens)
@@ -306,12 +327,9 @@ class MultiTurnChat(WorkloadGenerator):
     think_time_s: float = 10.0
 
     MAX_TURN_TOKENS: ClassVar[int] = 8192
-
-    def validate(self) -> None:
-        self.require(self.num_requests >= 1, "num_requests must be >= 1")
-        self.require_range("turns_min", "turns_max")
-        self.require(self.user_tokens_mean >= 1 and self.assistant_tokens_mean >= 1, "turn means must be >= 1")
-        self.require(self.rate > 0, "rate must be > 0")
+    RANGES: ClassVar[dict[str, Range]] = {
+        **dict.fromkeys(("num_requests", "turns_min", "user_tokens_mean", "assistant_tokens_mean"), AT_LEAST_1),
+        "rate": POSITIVE}
 
     def build(self, rng):
         turns_per_conversation = unit_sizes(rng, self.num_requests, self.turns_min, self.turns_max)
@@ -351,10 +369,8 @@ class NoSharing(WorkloadGenerator):
     output_tokens_max: int = 1000
     rate: float = 5.5
 
-    def validate(self) -> None:
-        self.require(self.num_requests >= 1, "num_requests must be >= 1")
-        self.require(self.input_tokens_max >= 1 and self.output_tokens_max >= 1, "length maxima must be >= 1")
-        self.require(self.rate > 0, "rate must be > 0")
+    RANGES: ClassVar[dict[str, Range]] = {
+        **dict.fromkeys(("num_requests", "input_tokens_max", "output_tokens_max"), AT_LEAST_1), "rate": POSITIVE}
 
     def build(self, rng):
         n = self.num_requests
@@ -374,6 +390,29 @@ def generator_class(kind: str) -> type[WorkloadGenerator]:
     if kind not in GENERATORS:
         raise ValueError(f"unknown workload kind {kind!r}; valid kinds: {', '.join(GENERATOR_KINDS)}")
     return GENERATORS[kind]
+
+
+def parameters(kind: str) -> list[dict]:
+    """The parameters of generator ``kind``, in order: ``name``, ``type`` (as ``key=value`` takes
+    it), ``default`` and ``range`` (its :attr:`~WorkloadGenerator.RANGES` entry, plus
+    ``<= X_max`` for an ``X_min``); the class's own cross-checks are in its ``validate``."""
+    import typing
+
+    cls = generator_class(kind)
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in fields(cls)]
+    rows = []
+    for f in fields(cls):
+        kinds = [t.__name__ for t in typing.get_args(hints[f.name]) or (hints[f.name],)]
+        text = str(cls.RANGES.get(f.name, Range()))
+        low, high = f.name.removesuffix("_max") + "_min", f.name.removesuffix("_min") + "_max"
+        if f.name.endswith("_min") and high in names:
+            text += f", <= {high}"
+        elif f.name.endswith("_max") and low in names:
+            text = f">= {low}"
+        rows.append({"name": f.name, "type": " or ".join(k.replace("NoneType", "None") for k in kinds),
+                     "default": f.default, "range": text})
+    return rows
 
 
 def make_generator(kind: str, **params) -> WorkloadGenerator:

@@ -21,8 +21,37 @@ from traces.request import Request, Trace
 
 
 def load_trace(path: str | os.PathLike, *, skip_bad: bool = False) -> Trace:
-    """Load a native, Mooncake or Azure trace file (format detected from its first line)."""
+    """Load a native, Mooncake or Azure trace file (format detected from its first line).
+
+    A file that is not UTF-8 text (a binary file, say) is a ``ValueError`` naming it, whatever
+    ``skip_bad`` says: no line of it can be trusted.
+    """
     path = str(path)
+    try:
+        return _load_trace(path, skip_bad=skip_bad)
+    except UnicodeDecodeError:
+        raise not_text(path, "trace file (JSONL or CSV)") from None
+
+
+def not_text(path: str | os.PathLike, what: str) -> ValueError:
+    """The error of a file that should be text but is not UTF-8: it names the file and what it should be."""
+    return ValueError(f"{path}: not a {what}: not UTF-8 text")
+
+
+def read_text(path: str | os.PathLike, what: str) -> str:
+    """The UTF-8 text of the file at ``path``; a file that is not text (a binary file) is a
+    ``ValueError`` naming it and ``what`` it should be (:func:`not_text`), a missing one a
+    ``FileNotFoundError`` naming both, any other unreadable one an ``OSError``."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except UnicodeDecodeError:
+        raise not_text(path, what) from None
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: no such {what}") from None
+
+
+def _load_trace(path: str, *, skip_bad: bool) -> Trace:
     requests: list[Request] = []
     seen_ids: set[str] = set()
     skipped = 0

@@ -11,6 +11,9 @@ any other string                                a trace file path (:func:`traces
                                                 fraction ``[START, END)`` of its arrival span
                                                 (:func:`traces.split.time_window`), e.g.
                                                 ``mooncake@0.7-1``
+``SPEC@load=X``                                 ``SPEC`` at ``X`` times its FCFS capacity on a
+                                                profile (:mod:`feather_gym.load`; the
+                                                simulator commands), e.g. ``mooncake@load=0.9``
 =============================================== =========================================
 
 Shared traces live in ``<repo>/../shared/traces/``; the environment variable
@@ -79,6 +82,8 @@ DEFAULT_EVAL_FRACTION = 0.3
 
 _REPO_ROOT = Path(__file__).resolve().parent.parent
 _WINDOW = re.compile(r"^(?P<spec>.+)@(?P<start>\d+(?:\.\d*)?)-(?P<end>\d+(?:\.\d*)?)$")
+#: ``SPEC@load=X``: a load factor of the workload's capacity, resolved by :mod:`feather_gym.load`.
+_LOAD_SUFFIX = re.compile(r"^(?P<spec>.+)(?P<load>@load=[^@]+)$")
 
 
 def shared_traces_dir() -> Path:
@@ -140,6 +145,44 @@ def resolve_workload(spec: str, *, seed: int = 0, skip_bad: bool = False) -> Tra
         return load_trace(Path(spec).expanduser(), skip_bad=skip_bad)
     raise ValueError(f"unknown workload {spec!r}: not a file, a shared trace ({', '.join(SHARED_TRACES)}) "
                      f"or a generator kind ({', '.join(GENERATOR_KINDS)}; KIND:key=value,...)")
+
+
+#: The built-in workloads' names by their specs (the short labels of :func:`workload_label`).
+_NAMED_SPECS = {spec: name for name, spec in {**ENGINE_SIZED_WORKLOADS, **ENGINE_SIZED_SHAPES}.items()}
+
+
+def workload_label(spec: str) -> str:
+    """A short label of workload ``spec`` for a printed table (the full spec belongs in JSON):
+    ``NAME`` of ``NAME=SPEC`` (a ``=`` before any ``:``), a built-in workload's name
+    (:data:`ENGINE_SIZED_WORKLOADS`, :data:`ENGINE_SIZED_SHAPES`), a shared trace's name, a
+    generator's kind, or a trace file's name without its folder and suffix; a time window keeps
+    its ``@START-END`` and a load factor its ``@load=X``."""
+    name, sep, rest = spec.partition("=")
+    if sep and ":" not in name and "@" not in name:
+        return name
+    load = _LOAD_SUFFIX.match(spec)
+    if load:
+        return workload_label(load["spec"]) + load["load"]
+    window = _WINDOW.match(spec)
+    if window:
+        return f"{workload_label(window['spec'])}@{window['start']}-{window['end']}"
+    if spec in _NAMED_SPECS or spec in SHARED_TRACES:
+        return _NAMED_SPECS.get(spec, spec)
+    kind = spec.partition(":")[0]
+    return kind if kind in GENERATOR_KINDS else Path(spec).stem
+
+
+def workload_labels(specs) -> list[str]:
+    """:func:`workload_label` of each spec, made unique within the list: a label that several
+    different specs share becomes ``LABEL#1``, ``LABEL#2``, ... in their order."""
+    specs = list(specs)
+    labels = [workload_label(spec) for spec in specs]
+    distinct: dict[str, list[str]] = {}          # label -> the different specs it labels, in order
+    for spec, label in zip(specs, labels):
+        if spec not in distinct.setdefault(label, []):
+            distinct[label].append(spec)
+    return [label if len(distinct[label]) == 1 else f"{label}#{distinct[label].index(spec) + 1}"
+            for spec, label in zip(specs, labels)]
 
 
 def is_generated(spec: str) -> bool:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import operator
 import tomllib
 import types
 import typing
@@ -28,6 +29,7 @@ import yaml
 from feather_gym.costmodel import hardware_profile
 from feather_gym.envs import DEFAULT_CONFIG as ENV_DEFAULTS
 from feather_gym.policies import check_max_wait_steps
+from traces.io import read_text
 from traces.workload import CPU_ENGINE_WORKLOADS, DEFAULT_EVAL_FRACTION, SPLIT_PARTS, split_spec
 
 #: Training env seeds: ``seed + SEED_STRIDE * worker index`` (:func:`training_env_seed`).
@@ -77,6 +79,11 @@ class TrainConfig:
     another iteration would overrun ``time_budget_s``: the wall time of the warm start (its
     playouts, with ``improve_warm_start``) and of ``algo.train()`` together, at least one
     iteration. Ray start-up, evaluation and export come on top.
+
+    Invariant: every number is in its field's range (``metadata`` ``min``/``max`` inclusive,
+    ``gt``/``lt`` exclusive; each item of a tuple); None means "the default" and is the only
+    value :meth:`resolved` replaces. Building a config out of range is a ``ValueError`` that
+    starts with the field's name (:func:`check_range`).
     """
 
     workloads: tuple[str, ...] | None = field(default=None, metadata={"help": (
@@ -85,21 +92,21 @@ class TrainConfig:
         + "; ".join(f"{device}: {' '.join(mix.workloads)}" for device, mix in DEFAULT_MIXES.items()) + ")")})
     profile: str | None = field(default=None, metadata={
         "help": "cost-model profile name or file; default: the shipped one for this hardware"})
-    kv_capacity_tokens: int | None = field(default=None, metadata={
+    kv_capacity_tokens: int | None = field(default=None, metadata={"min": 1,
         "help": "KV capacity of the simulated engine; default: the built-in mix's with the default workloads, "
                 "else the profile's"})
-    max_wait_steps: int = field(default=ENV_DEFAULTS["max_wait_steps"], metadata={
+    max_wait_steps: int = field(default=ENV_DEFAULTS["max_wait_steps"], metadata={"min": 0,
         "help": "the admission's waiting-time bound in engine steps; serve with the same "
                 "(additional_config feather.max_wait_steps)"})
-    iterations: int | None = field(default=None, metadata={
+    iterations: int | None = field(default=None, metadata={"min": 1,
         "help": "train for exactly N PPO iterations instead of the time budget"})
-    time_budget_s: float = field(default=450.0, metadata={
+    time_budget_s: float = field(default=450.0, metadata={"gt": 0,
         "help": "warm-start and train until another iteration would exceed this many seconds"})
-    num_env_runners: int = field(default=1, metadata={
+    num_env_runners: int = field(default=1, metadata={"min": 0,
         "help": "RLlib env runner processes sampling episodes (0: sample in the driver, where the learner runs)"})
-    envs_per_env_runner: int = field(default=8, metadata={
+    envs_per_env_runner: int = field(default=8, metadata={"min": 1,
         "help": "vectorised envs per env runner: one batched forward pass per this many env steps"})
-    seed: int = field(default=0, metadata={
+    seed: int = field(default=0, metadata={"min": 0,
         "help": f"training seed: RLlib's, and the training envs' workloads (seed + {SEED_STRIDE} x env runner)"})
     output_dir: Path | None = field(default=None, metadata={
         "help": "output folder; default: runs/feather-<UTC time>"})
@@ -108,58 +115,66 @@ class TrainConfig:
     ray_address: str | None = field(default=None, metadata={
         "help": "train on an existing Ray cluster (e.g. auto, ray://host:10001); default: start a local Ray"})
     # Episodes: the env's defaults (see feather_gym.envs.batch_formation.DEFAULT_CONFIG).
-    window_requests: int = field(default=ENV_DEFAULTS["window_requests"], metadata={
+    window_requests: int = field(default=ENV_DEFAULTS["window_requests"], metadata={"min": 2,
         "help": "consecutive requests of a trace per episode (a shorter trace is one window)"})
-    max_decisions: int = field(default=ENV_DEFAULTS["max_decisions"], metadata={
+    max_decisions: int = field(default=ENV_DEFAULTS["max_decisions"], metadata={"min": 0,
         "help": "decisions after which an episode is truncated (0: never)"})
-    num_candidates: int = field(default=4, metadata={
+    num_candidates: int = field(default=4, metadata={"min": 1,
         "help": "candidate slots of the action: 1 is ADD/STOP on the CHT's best candidate, K > 1 chooses among "
                 "its K best prefix groups or STOP"})
-    workload_instances: int | None = field(default=None, metadata={
+    workload_instances: int | None = field(default=None, metadata={"min": 1, "max": SEED_STRIDE,
         "help": "generated traces of each workload spec in every training env (seeds seed .. seed + N - 1); "
                 "default: the built-in mix's with the default workloads, else 1"})
     warm_start: str = field(default="feather-rule", metadata={
         "help": "baseline cloned into the network before PPO (trainer.warm_start), or none for a random network; "
                 "ignored when resuming"})
-    improve_warm_start: float | None = field(default=0.01, metadata={
+    improve_warm_start: float | None = field(default=0.01, metadata={"min": 0,
         "help": "clone one step of policy iteration on the warm-start baseline instead of the baseline: a decision "
                 "takes STOP where its simulated playouts (mean over sampled output-length futures) gain over "
                 "MIN_GAIN (a share of the window's time) on the baseline's action; off clones the baseline as it is; "
                 "ignored with warm_start none and when resuming"})
-    clone_smoothing: float = field(default=0.1, metadata={
+    clone_smoothing: float = field(default=0.1, metadata={"min": 0, "lt": 1,
         "help": "label smoothing of the cloning loss: the clone keeps this much probability off the "
                 "demonstrator's action, so PPO's sampled episodes still try the others"})
     # PPO (small on purpose: a few dozen inputs, k + 1 actions, 2 cores).
-    hidden_sizes: tuple[int, ...] = field(default=(64, 64), metadata={
+    hidden_sizes: tuple[int, ...] = field(default=(64, 64), metadata={"min": 1,
         "help": "hidden layer widths of the policy and of the value network (tanh)"})
-    train_batch_size: int = field(default=4000, metadata={"help": "env steps per PPO iteration"})
-    minibatch_size: int = field(default=1000, metadata={"help": "env steps per PPO minibatch"})
-    num_epochs: int = field(default=5, metadata={"help": "PPO epochs over each iteration's batch"})
-    lr: float = field(default=3e-4, metadata={"help": "PPO learning rate"})
-    gamma: float = field(default=1.0, metadata={
+    train_batch_size: int = field(default=4000, metadata={"min": 1, "help": "env steps per PPO iteration"})
+    minibatch_size: int = field(default=1000, metadata={"min": 1, "help": "env steps per PPO minibatch"})
+    num_epochs: int = field(default=5, metadata={"min": 1, "help": "PPO epochs over each iteration's batch"})
+    lr: float = field(default=3e-4, metadata={"gt": 0, "help": "PPO learning rate"})
+    gamma: float = field(default=1.0, metadata={"gt": 0, "max": 1,
         "help": "discount per decision (1: undiscounted, so returns rank policies by throughput)"})
-    gae_lambda: float = field(default=1.0, metadata={"help": "GAE lambda (1: Monte-Carlo advantages)"})
-    entropy_coeff: float = field(default=0.01, metadata={"help": "PPO entropy bonus coefficient"})
-    validation_seeds: tuple[int, ...] = field(default=tuple(range(20_001, 20_031)), metadata={
+    gae_lambda: float = field(default=1.0, metadata={"min": 0, "max": 1,
+                                                     "help": "GAE lambda (1: Monte-Carlo advantages)"})
+    entropy_coeff: float = field(default=0.01, metadata={"min": 0, "help": "PPO entropy bonus coefficient"})
+    validation_seeds: tuple[int, ...] = field(default=tuple(range(20_001, 20_031)), metadata={"min": 0,
         "help": "workload seeds of the validation that keeps the best checkpoint (trace files: their training part)"})
-    validate_every: int = field(default=10, metadata={"help": "validate every N iterations, and after the last"})
-    eval_seeds: tuple[int, ...] = field(default=tuple(range(10_001, 10_031)), metadata={
+    validate_every: int = field(default=10, metadata={"min": 1,
+                                                      "help": "validate every N iterations, and after the last"})
+    eval_seeds: tuple[int, ...] = field(default=tuple(range(10_001, 10_031)), metadata={"min": 0,
         "help": "workload seeds of the held-out final evaluation; every seed set of a run is disjoint from the others"})
-    eval_fraction: float = field(default=DEFAULT_EVAL_FRACTION, metadata={
+    eval_fraction: float = field(default=DEFAULT_EVAL_FRACTION, metadata={"gt": 0, "lt": 1,
         "help": "share of a trace file's arrival span held out, at its end, for the final evaluation "
                 "(generated workloads are held out by seed)"})
+
+    def __post_init__(self) -> None:
+        for setting in dataclasses.fields(self):
+            value = getattr(self, setting.name)
+            for item in value if isinstance(value, tuple) else (value,):
+                check_range(setting.name, item, setting.metadata)
 
     def resolved(self) -> TrainConfig:
         """A copy with the hardware default profile, its device's built-in mix (when no workloads
         are given) and the default output folder filled in."""
-        profile = self.profile or hardware_profile()
+        profile = _given(self.profile, hardware_profile())
         mix = profile_mix(profile)
         default_mix = self.workloads is None
         return dataclasses.replace(
             self, profile=profile, workloads=mix.workloads if default_mix else self.workloads,
-            kv_capacity_tokens=self.kv_capacity_tokens or (mix.kv_capacity_tokens if default_mix else None),
-            workload_instances=self.workload_instances or (mix.workload_instances if default_mix else 1),
-            output_dir=self.output_dir or Path("runs") / datetime.now(UTC).strftime("feather-%Y%m%d-%H%M%S"),
+            kv_capacity_tokens=_given(self.kv_capacity_tokens, mix.kv_capacity_tokens if default_mix else None),
+            workload_instances=_given(self.workload_instances, mix.workload_instances if default_mix else 1),
+            output_dir=_given(self.output_dir, Path("runs") / datetime.now(UTC).strftime("feather-%Y%m%d-%H%M%S")),
         )
 
     def engine(self):
@@ -177,8 +192,6 @@ class TrainConfig:
             return self.resolved().validate()
         if not self.workloads:
             raise ValueError("workloads: at least one workload spec is needed")
-        if self.kv_capacity_tokens is not None and self.kv_capacity_tokens < 1:
-            raise ValueError(f"kv_capacity_tokens: must be >= 1, got {self.kv_capacity_tokens}")
         check_max_wait_steps(self.max_wait_steps)
         parts = dict.fromkeys(split_spec(spec, part, self.eval_fraction)    # ValueError for a bad eval_fraction
                               for spec in self.workloads for part in SPLIT_PARTS)
@@ -186,13 +199,6 @@ class TrainConfig:
             traces.resolve_workload(spec, seed=self.seed)        # ValueError listing the valid kinds/keys
         if self.profile is not None:
             load_cost_model(self.profile)                        # OSError/ValueError for a missing/bad profile
-        if self.iterations is not None and self.iterations < 1:
-            raise ValueError(f"iterations: must be >= 1, got {self.iterations}")
-        if self.time_budget_s <= 0:
-            raise ValueError(f"time_budget_s: must be > 0, got {self.time_budget_s}")
-        if self.num_env_runners < 0 or self.envs_per_env_runner < 1:
-            raise ValueError(f"num_env_runners must be >= 0 and envs_per_env_runner >= 1, got "
-                             f"{self.num_env_runners} and {self.envs_per_env_runner}")
         if self.minibatch_size > self.train_batch_size:
             raise ValueError(f"minibatch_size ({self.minibatch_size}) "
                              f"exceeds train_batch_size ({self.train_batch_size})")
@@ -203,8 +209,6 @@ class TrainConfig:
 
             read_training_info(self.resume)                      # another observation contract fails here,
             load_policy_network(self.resume)                     # and a corrupted checkpoint, before Ray
-        if self.improve_warm_start is not None and not self.improve_warm_start >= 0:
-            raise ValueError(f"improve_warm_start: the minimum gain must be >= 0, got {self.improve_warm_start}")
         if self.warm_start != "none":
             from feather_gym.policies import BASELINES
 
@@ -220,21 +224,13 @@ class TrainConfig:
                 if shared:
                     raise ValueError(f"{name_a} and {name_b} share seed {shared[0]}: the seed sets must be "
                                      "pairwise disjoint (held-out means unseen)")
-        if self.validate_every < 1:
-            raise ValueError(f"validate_every: must be >= 1, got {self.validate_every}")
-        if self.num_candidates < 1:
-            raise ValueError(f"num_candidates: must be >= 1, got {self.num_candidates}")
-        if self.workload_instances is not None and not 1 <= self.workload_instances <= SEED_STRIDE:
-            raise ValueError(f"workload_instances: must be in [1, {SEED_STRIDE}], got {self.workload_instances}")
-        if not 0.0 <= self.clone_smoothing < 1.0:
-            raise ValueError(f"clone_smoothing: must be in [0, 1), got {self.clone_smoothing}")
 
     def training_env_seeds(self) -> tuple[int, ...]:
         """The workload seeds of the training envs: RLlib builds envs on the remote env runners
         (worker index 1..N), or on the local one (index 0) when there are none."""
         workers = range(1, self.num_env_runners + 1) if self.num_env_runners else (0,)
         return tuple(training_env_seed(self.seed, worker) + i for worker in workers
-                     for i in range(self.workload_instances or 1))
+                     for i in range(_given(self.workload_instances, 1)))
 
     def seed_sets(self) -> dict[str, tuple[int, ...]]:
         """Every set of workload seeds the run uses, by name; :meth:`validate` refuses overlaps."""
@@ -261,6 +257,25 @@ class TrainConfig:
                 for k, v in dataclasses.asdict(self).items()}
 
 
+def _given(value, default):
+    """``value``, or ``default`` when it is None (0, "" and () are values, not "not given")."""
+    return default if value is None else value
+
+
+#: The range keys of a field's ``metadata``: (relation shown, test).
+_BOUNDS = {"min": (">=", operator.ge), "gt": (">", operator.gt), "max": ("<=", operator.le), "lt": ("<", operator.lt)}
+
+
+def check_range(name: str, value, metadata) -> None:
+    """``ValueError`` starting with ``name`` unless ``value`` is None or within the range keys of
+    ``metadata`` (:data:`_BOUNDS`); a NaN is within no range."""
+    limits = {key: metadata[key] for key in _BOUNDS if key in metadata}
+    if value is None or all(_BOUNDS[key][1](value, limit) for key, limit in limits.items()):
+        return
+    text = " and ".join(f"{_BOUNDS[key][0]} {limit}" for key, limit in limits.items())
+    raise ValueError(f"{name}: must be {text}, got {value}")
+
+
 def training_env_seed(seed: int, worker_index: int) -> int:
     """The workload seed of the training envs of env runner ``worker_index``.
 
@@ -285,7 +300,7 @@ def load_config_file(path: str | Path) -> dict:
     else:
         raise ValueError(f"{path}: config file must end in .yaml, .yml or .toml")
     try:
-        data = loader(path.read_text()) or {}
+        data = loader(read_text(path, "config file")) or {}
     except (yaml.YAMLError, tomllib.TOMLDecodeError) as exc:
         raise ValueError(f"{path}: not valid {path.suffix[1:].upper()}: {exc}") from exc
     if not isinstance(data, dict):

@@ -196,23 +196,34 @@ def evaluate_policy(policy_path: str | Path, *, workloads: Sequence[str], profil
 
 def format_table(evaluation: dict) -> str:
     """The comparison as fixed-width tables: throughput (tok/s) and ratio to FCFS per policy,
-    then the load regime: arrival span, and per policy makespan and queueing delay mean/p99 (s)."""
+    then the load regime: arrival span, and per policy makespan and queueing delay mean/p99 (s).
+
+    A workload's row is named by its short label (:func:`traces.workload.workload_labels`), its
+    spec stays in the evaluation's JSON; every line is within :data:`traces.table.WIDTH`."""
+    from traces.table import WIDTH, cut
+    from traces.table import format_table as text_table
+    from traces.workload import workload_labels
+
     results = evaluation["workloads"]
     names = list(results[0]["throughput_tok_s"])
-    width = max(len(r["workload"]) for r in results)
-    columns = "  ".join(f"{n:>18}" for n in names)
-    lines = [f"held-out evaluation, profile {evaluation['profile']}, seeds {evaluation['seeds']} (trace files: "
-             f"one run) (mean output tok/s; x = ratio to fcfs)",
-             f"{'workload':<{width}}  {columns}  target"]
-    for r in results:
-        cells = "  ".join(f"{r['throughput_tok_s'][n]:>10.1f} {r['ratio_to_fcfs'][n]:>5.3f}x" for n in names)
-        lines.append(f"{r['workload']:<{width}}  {cells}  {r['target']}: {'met' if r['target_met'] else 'NOT met'}")
-    loads = [[f"{r['load'][n]['makespan_s']:.1f} {r['load'][n]['queue_delay_mean_s']:.1f}/"
-              f"{r['load'][n]['queue_delay_p99_s']:.1f}" for n in names] for r in results]
-    cell = max(18, *(len(text) for row in loads for text in row))
-    lines += ["load regime (s): makespan, then queueing delay (arrival to first scheduling) mean/p99",
-              f"{'workload':<{width}}  " + "  ".join(f"{n:>{cell}}" for n in names) + "  arrival span"]
-    for r, row in zip(results, loads):
-        lines.append(f"{r['workload']:<{width}}  " + "  ".join(f"{text:>{cell}}" for text in row)
-                     + f"  {r['arrival_span_s']:.1f}")
-    return "\n".join(lines)
+    labels = workload_labels(r["workload"] for r in results)
+    throughput = [[label, *(f"{r['throughput_tok_s'][n]:.1f} {r['ratio_to_fcfs'][n]:.3f}x" for n in names),
+                   f"{r['target']}: {'met' if r['target_met'] else 'NOT met'}"] for label, r in zip(labels, results)]
+    loads = [[label, *(f"{r['load'][n]['makespan_s']:.1f} {r['load'][n]['queue_delay_mean_s']:.1f}/"
+                       f"{r['load'][n]['queue_delay_p99_s']:.1f}" for n in names), f"{r['arrival_span_s']:.1f}"]
+             for label, r in zip(labels, results)]
+    return "\n".join([
+        cut(f"held-out evaluation, profile {evaluation['profile']}, seeds {_seed_range(evaluation['seeds'])} "
+            "(trace files: one run)", WIDTH),
+        "mean output tok/s, x = ratio to fcfs",
+        text_table(["workload", *names, "target"], throughput, align="l" + "r" * len(names) + "l"),
+        "load regime (s): makespan, then queueing delay (arrival to first scheduling) mean/p99",
+        text_table(["workload", *names, "arrival span"], loads)])
+
+
+def _seed_range(seeds) -> str:
+    """``first..last`` for consecutive seeds, else the seeds comma-separated."""
+    seeds = list(seeds)
+    if len(seeds) > 2 and seeds == list(range(seeds[0], seeds[0] + len(seeds))):
+        return f"{seeds[0]}..{seeds[-1]}"
+    return ",".join(map(str, seeds))

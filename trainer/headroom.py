@@ -47,16 +47,20 @@ def headroom(config, *, seeds: int, policy_path: str | None = None) -> dict:
 
 def format_headroom(report: dict, labels: list[str]) -> str:
     """The headroom table: per workload, the rule over FCFS, then each of ``labels`` over FCFS and
-    paired over the rule (mean +- standard error, seeds faster/slower)."""
-    lines = [f"headroom over the Feather rule, profile {report['profile']}, {len(report['seeds'])} held-out seeds "
-             "(x FCFS; paired ratio over the rule: mean +- standard error (seeds faster/slower))",
-             f"{'workload':<16}{'rule':>8}" + "".join(f"{label:>{len(label) + 2}}{'÷ rule':>28}" for label in labels)]
-    for row in report["workloads"]:
-        cells = "".join(f"{row[f'{label}_over_fcfs']:>{len(label) + 2}.3f}"
-                        f"{_paired(row[f'{label}_over_rule_paired']):>28}" for label in labels)
-        lines.append(f"{row['workload'].partition(':')[0][:15]:<16}{row['feather_rule_over_fcfs']:>8.3f}{cells}")
-    lines.append(f"{report['elapsed_s']:.0f} s")
-    return "\n".join(lines)
+    paired over the rule (mean +- standard error, seeds faster/slower). Workloads are named by
+    their short labels (:func:`traces.workload.workload_labels`); the table keeps within
+    :data:`traces.table.WIDTH`."""
+    from traces.table import format_table
+    from traces.workload import workload_labels
+
+    rows = [[label, f"{row['feather_rule_over_fcfs']:.3f}",
+             *(cell for name in labels for cell in (f"{row[f'{name}_over_fcfs']:.3f}",
+                                                    _paired(row[f"{name}_over_rule_paired"])))]
+            for label, row in zip(workload_labels(row["workload"] for row in report["workloads"]), report["workloads"])]
+    header = ["workload", "rule", *(cell for name in labels for cell in (name, f"{name} / rule"))]
+    return "\n".join([f"headroom over the Feather rule, profile {report['profile']}, {len(report['seeds'])} held-out "
+                      "seeds (x FCFS)", "paired ratio over the rule: mean +- standard error (seeds faster/slower)",
+                      format_table(header, rows), f"{report['elapsed_s']:.0f} s"])
 
 
 def _paired(pair: dict) -> str:

@@ -269,7 +269,10 @@ def evaluate_workload(trace, *, block_size: int | None, cache_blocks: int | None
     :data:`DEFAULT_BLOCK_SIZE`). With a layout or a prefill model, the engine's grids join the
     heuristics; with ``replay`` and ``replay_accounting="tree"``, bytes are counted on the
     workload's whole prefix tree."""
-    block_size = block_size or trace.block_size or DEFAULT_BLOCK_SIZE
+    if block_size is None:
+        block_size = trace.block_size or DEFAULT_BLOCK_SIZE      # a token trace has no block size of its own
+    if block_size < 1:
+        raise ValueError(f"block_size: must be >= 1, got {block_size}")
     depths = overlap_depths(trace, block_size=block_size, cache_blocks=cache_blocks)
     hybrid = layout is not None or prefill is not None
     heuristics = (*default_heuristics(), *engine_grids(block_size)) if hybrid else None

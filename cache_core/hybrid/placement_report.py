@@ -3,15 +3,18 @@
 
 from __future__ import annotations
 
+from traces.workload import workload_label
+
 
 def format_report(report: dict) -> str:
     """The frontier as text tables, one row per budget and one column per method: recomputed
     tokens per request (states used in brackets when under budget), then, when present, the
     recurrent-state MiB per shared prefix and the estimated time to first token."""
     lines = [
-        f"workload {report['workload']}: {report['num_requests']} requests, "
+        f"workload {workload_label(report['workload'])}: {report['num_requests']} requests, "
         f"block {report['block_size_tokens']} tokens, "
-        f"horizon {report['horizon_blocks']} blocks, hit fraction {report['hit_fraction']:.3f}, "
+        f"horizon {report['horizon_blocks']} blocks",
+        f"  hit fraction {report['hit_fraction']:.3f}, "
         f"mean overlap {report['mean_overlap_tokens']:.0f} tokens (= recompute with no stored state)",
     ]
     gains = report["dp_gain_vs_best_heuristic_pct"]
@@ -24,8 +27,8 @@ def format_report(report: dict) -> str:
         kv = report["methods"]["kv_only"]["kv_bytes"][0]
         lines.append(f"layout {report.get('model') or 'given'}: {layout['attention_layers']} attention + "
                      f"{layout['linear_layers']} GDN layers, {layout['kv_bytes_per_token']} B KV per token, "
-                     f"{layout['state_bytes']} B per checkpoint; KV of the mean overlap {kv / 2**20:.2f} MiB "
-                     "per request (every method but no_cache)")
+                     f"{layout['state_bytes']} B per checkpoint")
+        lines.append(f"  KV of the mean overlap {kv / 2**20:.2f} MiB per request (every method but no_cache)")
         lines += _table(report, "recurrent state MiB per shared prefix (states stored x state bytes)",
                         lambda m, i, budget: f"{m['state_bytes'][i] / 2**20:.2f}")
     if "prefill" in report:
@@ -68,13 +71,14 @@ def format_equal_bytes(report: dict) -> list[str]:
 
 
 def _table(report: dict, title: str, cell, extra=None) -> list[str]:
-    """``title`` then a right-aligned table: ``cell(method_row, i, budget)`` per budget and
-    method, plus an optional ``(header, cell(i))`` last column."""
+    """``title`` then a right-aligned :func:`traces.table.format_table`: ``cell(method_row, i, budget)``
+    per budget and method, plus an optional ``(header, cell(i))`` last column."""
+    from traces.table import format_table
+
     header = ["budget", *report["methods"], *([extra[0]] if extra else [])]
     rows = [[str(budget), *(cell(m, i, budget) for m in report["methods"].values()),
              *([extra[1](i)] if extra else [])] for i, budget in enumerate(report["budgets"])]
-    widths = [max(len(r[c]) for r in [header, *rows]) for c in range(len(header))]
-    return [title, *("  ".join(cell.rjust(w) for cell, w in zip(r, widths)) for r in [header, *rows])]
+    return [title, format_table(header, rows, align="r" * len(header))]
 
 
 def plot_frontier(report: dict, path: str) -> None:

@@ -55,6 +55,7 @@ import numpy as np
 from cache_core.hybrid.placement import PlacementProblem, resume_positions, solve
 from cache_core.hybrid.placement_heuristics import EveryBlocks, TokenGrid
 from cache_core.hybrid.recompute_cost import PrefillTime
+from traces.io import read_text
 
 
 def anchor_entry_bytes(*, hidden_size: int, anchored_layers, replay_tokens: int, dtype: str = "bfloat16") -> int:
@@ -120,8 +121,7 @@ class ReplayCost:
 def load_replay_report(path: str) -> dict:
     """A ``feather replay eval --json`` report: a file holding the JSON object, or that command's
     whole output (the object is its last line)."""
-    with open(path) as f:
-        text = f.read()
+    text = read_text(path, "`feather replay eval --json` report")
     try:
         return json.loads(text)
     except json.JSONDecodeError:

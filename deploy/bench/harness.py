@@ -43,13 +43,14 @@ def clip_lengths(trace, *, max_input_tokens: int | None, max_output_tokens: int 
 
     if max_input_tokens is None and max_output_tokens is None:
         return trace
-    if (max_input_tokens or 1) < 1 or (max_output_tokens or 1) < 1:
-        raise ValueError(f"length caps must be >= 1, got {max_input_tokens} and {max_output_tokens}")
+    for name, cap in (("max_input_tokens", max_input_tokens), ("max_output_tokens", max_output_tokens)):
+        if cap is not None and cap < 1:
+            raise ValueError(f"{name}: must be >= 1, got {cap}")
     requests = []
     for r in trace:
         tokens = r.tokens()[:max_input_tokens]
         requests.append(Request(r.request_id, r.arrival_s, len(tokens),
-                                min(r.output_len, max_output_tokens or r.output_len),
+                                r.output_len if max_output_tokens is None else min(r.output_len, max_output_tokens),
                                 token_ids=tokens, session=r.session, group=r.group))
     return Trace(trace.name, requests, source=f"{trace.source} clipped to {max_input_tokens}/{max_output_tokens}")
 

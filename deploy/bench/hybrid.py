@@ -112,14 +112,15 @@ def hybrid_bench(*, model: str = "trained", workloads: dict[str, str] | None = N
     from transformers import AutoTokenizer
 
     from deploy.replay_layer import register_replay_layer
-    from feather_gym.hybrid.model import SPECS, ensure_hybrid_hf
+    from feather_gym.hybrid.model import ensure_hybrid_hf, resolve_model
     from traces import resolve_workload
     from traces.text import corpus_token_ids, texturize
 
     if state_budget_mib < 0:
         raise ValueError(f"state_budget_mib must be >= 0, got {state_budget_mib}")
     started = time.perf_counter()
-    model_dir = str(ensure_hybrid_hf(model)) if model in SPECS else model
+    kind, folder = resolve_model(model)
+    model_dir = str(folder if kind is None else ensure_hybrid_hf(kind))
     workloads = workloads or HYBRID_WORKLOADS
     traces = {name: resolve_workload(spec, seed=seed) for name, spec in workloads.items()}
     if text:
@@ -149,18 +150,24 @@ def hybrid_bench(*, model: str = "trained", workloads: dict[str, str] | None = N
 
 
 def format_hybrid_report(report: dict) -> str:
-    """One line per workload and side: recompute, TTFT, throughput, state bytes."""
+    """Per workload, a table of its sides (recompute, TTFT, throughput, state bytes;
+    :func:`traces.table.format_table`), then each side against vLLM's."""
+    from traces.table import format_table
+
     lines = [f"hybrid bench: {report['model']} (bf16), block {report['kv_block_size_tokens']} tokens, "
              f"state budget {report['state_budget_bytes'] / 2**20:.0f} MiB, {report['rounds']} rounds"]
     for name, result in report["workloads"].items():
         lines.append(f"{name}: {result['num_requests']} requests, {result['prompt_tokens']} prompt tokens")
+        rows = []
         for label, side in result["sides"].items():
             stats = side.get("scheduler_stats_last_round", {})
-            anchors = f", anchors {stats['anchor_bytes'] / 2**20:.1f} MiB" if "anchor_bytes" in stats else ""
-            lines.append(f"  {label:14s} recomputed {side['recomputed_prompt_tokens']:8.0f}  "
-                         f"TTFT p50 {side['ttft_p50_s']:.3f}s p99 {side['ttft_p99_s']:.3f}s  "
-                         f"{side['output_tok_s']:7.1f} tok/s  peak states {stats.get('peak_states', '-')} "
-                         f"({stats.get('peak_state_bytes', 0) / 2**20:.1f} MiB{anchors})  lost {side['requests_lost']}")
+            rows.append([label, f"{side['recomputed_prompt_tokens']:.0f}", f"{side['ttft_p50_s']:.3f}",
+                         f"{side['ttft_p99_s']:.3f}", f"{side['output_tok_s']:.1f}", stats.get("peak_states", "-"),
+                         f"{stats.get('peak_state_bytes', 0) / 2**20:.1f}",
+                         f"{stats['anchor_bytes'] / 2**20:.1f}" if "anchor_bytes" in stats else "-",
+                         side["requests_lost"]])
+        lines.append(format_table(["side", "recomputed", "TTFT p50 s", "TTFT p99 s", "tok/s", "peak states",
+                                   "state MiB", "anchor MiB", "lost"], rows))
         for label, d in result.get("vs_vllm", {}).items():
             lines.append(f"  {label} vs vllm: {d['recompute_reduction_pct']:.1f}% fewer recomputed tokens, "
                          f"TTFT p50 {d['ttft_p50_speedup_x'] or float('nan'):.2f}x, "

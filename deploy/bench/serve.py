@@ -14,6 +14,7 @@ from deploy.bench.harness import DEFAULT_BENCH_KV_CACHE_GIB, clip_lengths, ideal
 from deploy.engine_rounds import DEFAULT_ONLINE, kv_capacity
 from feather_gym.policies import DEFAULT_MAX_WAIT_STEPS
 from feather_gym.vllm_engine import resolve_kv_cache_gib, start_engine
+from traces.table import cut
 from traces.workload import ENGINE_SIZED_WORKLOADS
 
 #: Default workloads: :data:`traces.workload.ENGINE_SIZED_WORKLOADS`, the CPU engine's workloads
@@ -80,16 +81,17 @@ def format_serve_report(report: dict) -> str:
             f"{'workload':<16}{'scheduler':<10}{'tok/s':>9}{'steps':>8}{'step ms':>9}{'cached tok':>12}"
             f"{'ttft p50 s':>12}{'ttft p99 s':>12}{'lost':>6}{'sched us/step':>15}"]
     for name, w in report["workloads"].items():
+        short = cut(name, 15)
         for side, s in w["sides"].items():
-            rows.append(f"{name:<16}{side:<10}{s['output_tok_s']:>9.1f}{s['steps']:>8.1f}{s['step_ms_mean']:>9.1f}"
+            rows.append(f"{short:<16}{side:<10}{s['output_tok_s']:>9.1f}{s['steps']:>8.1f}{s['step_ms_mean']:>9.1f}"
                         f"{s['cached_prompt_tokens']:>12.0f}{_seconds(s['ttft_p50_s']):>12}"
                         f"{_seconds(s['ttft_p99_s']):>12}{s['requests_lost']:>6}"
                         f"{s['schedule_cpu_us_per_step'] + s['update_cpu_us_per_step']:>15.1f}")
-        rows.append(f"{name:<16}ideal cached tokens {w['ideal_cached_prompt_tokens']}, identical outputs "
+        rows.append(f"{short:<16}ideal cached tokens {w['ideal_cached_prompt_tokens']}, identical outputs "
                     f"{w['identical_outputs']}/{w['num_requests']}")
         for side, r in w["ratios"].items():
             spread = "" if r["ci95"] is None else f", 95% CI {r['ci95'][0]:.3f}-{r['ci95'][1]:.3f}"
-            rows.append(f"{name:<16}{side}/{w['reference']} throughput {r['mean']:.3f} (rounds "
+            rows.append(f"{short:<16}{side}/{w['reference']} throughput {r['mean']:.3f} (rounds "
                         f"{' '.join(f'{v:.3f}' for v in r['per_round'])}{spread})")
     return "\n".join(rows)
 

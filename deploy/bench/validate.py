@@ -46,6 +46,7 @@ import time
 
 from deploy.engine_rounds import DEFAULT_ONLINE
 from feather_gym.policies import DEFAULT_MAX_WAIT_STEPS
+from traces.table import cut
 from traces.workload import ENGINE_SIZED_WORKLOADS
 
 logger = logging.getLogger(__name__)
@@ -249,6 +250,7 @@ def format_report(report: dict) -> str:
             f"KV {report['kv_capacity_tokens']} tokens",
             f"{'workload':<16}{'seed':>5}  {'policy':<22}{'figure':<22}{'sim':>12}{'live':>12}{'error':>9}"]
     for name, w in report["workloads"].items():
+        short = cut(name, 15)
         for seed, result in w["seeds"].items():
             for policy, figures in result["policies"].items():
                 cells = dict(figures)
@@ -256,16 +258,16 @@ def format_report(report: dict) -> str:
                     cells["ratio_to_first"] = result["ratio_to_first"][policy]
                 for figure, cell in cells.items():
                     error = "" if cell["error"] is None else f"{cell['error']:+.1%}"
-                    rows.append(f"{name:<16}{seed:>5}  {_label(policy):<22}{figure:<22}{_num(cell['sim']):>12}"
+                    rows.append(f"{short:<16}{seed:>5}  {_label(policy):<22}{figure:<22}{_num(cell['sim']):>12}"
                                 f"{_num(cell['live']):>12}{error:>9}")
-            rows.append(f"{name:<16}{seed:>5}  ranking sim {result['sim_ranking']} live {result['live_ranking']}; "
+            rows.append(f"{short:<16}{seed:>5}  ranking sim {result['sim_ranking']} live {result['live_ranking']}; "
                         f"targets met {result['targets_met']}")
-            rows.append(f"{name:<16}{seed:>5}  first scheduled in the simulator's step: " + _shares(result))
+            rows.append(f"{short:<16}{seed:>5}  first scheduled in the simulator's step: " + _shares(result))
         seeds = w["across_seeds"]
         for policy, sides in seeds["policies"].items():
-            rows.append(f"{name:<16}{'all':>5}  {_label(policy)} / {report['policies'][0]} over {seeds['num_seeds']} "
+            rows.append(f"{short:<16}{'all':>5}  {_label(policy)} / {report['policies'][0]} over {seeds['num_seeds']} "
                         f"seeds: sim {_stats(sides['sim'])}, live {_stats(sides['live'])}")
-        rows.append(f"{name:<16}{'all':>5}  same ranking on {seeds['seeds_same_ranking']}/{seeds['num_seeds']} seeds; "
+        rows.append(f"{short:<16}{'all':>5}  same ranking on {seeds['seeds_same_ranking']}/{seeds['num_seeds']} seeds; "
                     "first scheduled in the simulator's step: " + _shares(seeds))
     return "\n".join(rows)
 

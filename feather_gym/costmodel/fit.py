@@ -36,7 +36,7 @@ def nnls(a: np.ndarray, b: np.ndarray, max_iter: int | None = None) -> np.ndarra
     x = np.zeros(n)
     passive = np.zeros(n, dtype=bool)
     tol = 10 * np.finfo(float).eps * max(m, n) * max(1.0, np.abs(scaled).sum(axis=0).max())
-    for _ in range(max_iter or 3 * n):
+    for _ in range(3 * n if max_iter is None else max_iter):
         gradient = scaled.T @ (b - scaled @ x)
         candidates = ~passive & usable & (gradient > tol)
         if not candidates.any():

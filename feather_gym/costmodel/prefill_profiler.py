@@ -61,7 +61,7 @@ def profile_torch(model_dir, lengths, dtype: str = "bfloat16", *, repeats: int =
         model(input_ids=torch.tensor([ids]), use_cache=False, logits_to_keep=1)
 
     previous = torch.get_num_threads()
-    torch.set_num_threads(threads or previous)
+    torch.set_num_threads(previous if threads is None else threads)
     try:
         with torch.no_grad():
             return _profile(forward, lengths, repeats, seed)

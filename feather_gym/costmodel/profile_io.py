@@ -39,6 +39,8 @@ import json
 from numbers import Real
 from pathlib import Path
 
+from traces.io import read_text
+
 from .features import COLUMNS
 from .shapes import ModelShape
 
@@ -161,14 +163,14 @@ def validate_profile(profile: dict, source: str = "<profile>") -> dict:
 def profile_engine(profile: dict) -> dict[str, int]:
     """``block_size`` and ``max_num_batched_tokens`` of a validated profile: its own, else its device's."""
     defaults = ENGINE_DEFAULTS[profile["hardware"]["device"]]
-    return {key: int(profile.get(key) or default) for key, default in defaults.items()}
+    return {key: int(profile.get(key, default)) for key, default in defaults.items()}
 
 
 def load_profile(path: str | Path) -> dict:
     """Read and validate a profile file (``OSError`` if unreadable, :class:`ProfileError` if invalid)."""
     path = Path(path)
     try:
-        profile = json.loads(path.read_text())
+        profile = json.loads(read_text(path, "cost-model profile (JSON)"))
     except json.JSONDecodeError as exc:
         raise ProfileError(f"{path}: line {exc.lineno}: not valid JSON ({exc.msg})") from None
     return validate_profile(profile, str(path))

@@ -334,14 +334,17 @@ def run_torch_profile(model: str, device: str = "cpu", *, quick: bool = False, p
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: torch sees no CUDA device")
     shape = model_preset(model).with_dtype("bfloat16" if device == "cuda" else "float32")
-    layers = profiled_layers or (shape.layers if device == "cuda" else min(CPU_PROFILED_LAYERS, shape.layers))
-    repeats = repeats or (5 if quick else 7)
+    layers = profiled_layers
+    if layers is None:
+        layers = shape.layers if device == "cuda" else min(CPU_PROFILED_LAYERS, shape.layers)
+    if repeats is None:
+        repeats = 5 if quick else 7
     decode_points = decode_grid(quick, seed) if decode_points is None else decode_points
     prefill_points = prefill_grid(quick) if prefill_points is None else prefill_points
     previous_threads = torch.get_num_threads()
     # An in-process vLLM CPU engine replaces torch.set_num_threads with a no-op, so record the
     # thread count actually in effect, not the one asked for.
-    torch.set_num_threads(threads or previous_threads)
+    torch.set_num_threads(previous_threads if threads is None else threads)
     threads = torch.get_num_threads()
     try:
         runner = TorchStepRunner(shape, device, layers, seed)

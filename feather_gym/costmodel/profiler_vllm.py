@@ -481,7 +481,8 @@ def run_vllm_profile(model: str = "smollm2-135m", device: str = "cpu", *, quick:
     threads = torch.get_num_threads()  # an engine started earlier in this process keeps its own
     clock = time.thread_time if device == "cpu" and threads == 1 else time.perf_counter
     limits = EngineLimits.of(llm)
-    repeats = repeats or (5 if quick else 8)
+    if repeats is None:
+        repeats = 5 if quick else 8
     if limits.block_size != 128:                 # a hybrid model's engine (see aligned_to_blocks)
         decode_points, prefill_points, mixed_points = aligned_to_blocks(
             limits.block_size, vllm_decode_grid(quick) if decode_points is None else decode_points,

@@ -22,9 +22,10 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
-from pathlib import Path
 
 import numpy as np
+
+from traces.io import read_text
 
 from .fit import fit_rows, measurement_rows, predict_rows
 from .model import cost_model_from_profile
@@ -110,7 +111,7 @@ def read_step_logs(paths) -> tuple[list[LiveStep], int]:
     are not records (a line cut by a full disk, another schema); ``OSError`` for an unreadable file."""
     steps, skipped = [], 0
     for path in paths:
-        for line in Path(path).read_text().splitlines():
+        for line in read_text(path, "step log (JSONL)").splitlines():
             try:
                 steps.append(LiveStep.from_dict(json.loads(line)))
             except (ValueError, TypeError):

@@ -221,6 +221,24 @@ def is_built(kind: str = "trained", cache_dir: str | os.PathLike | None = None) 
     return (hybrid_dir(kind, cache_dir) / _COMPLETE_MARKER).is_file()
 
 
+#: The built-in hybrid models by the names ``--model`` takes (``hybrid`` is the trained one too).
+MODEL_NAMES = {"trained": "trained", "hybrid": "trained", "tiny": "tiny"}
+
+
+def resolve_model(model: str, flag: str = "--model") -> tuple[str | None, Path]:
+    """``(kind, folder)`` of a model a user names: a built-in name (:data:`MODEL_NAMES`; its
+    folder, which may not be built yet) or ``(None, folder)`` for a local folder holding a
+    ``config.json``. Anything else is a ``ValueError`` naming ``flag`` and the choices: a name
+    is never looked up on a model hub."""
+    if model in MODEL_NAMES:
+        return MODEL_NAMES[model], hybrid_dir(MODEL_NAMES[model])
+    folder = Path(model).expanduser()
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"{flag} {model}: not a model folder (no {folder / 'config.json'}) and not one of "
+                         f"{', '.join(MODEL_NAMES)}")
+    return None, folder
+
+
 def ensure_hybrid_hf(kind: str = "trained", cache_dir: str | os.PathLike | None = None, *, log=print) -> Path:
     """The folder of the ``kind`` hybrid model, training it first when absent (idempotent)."""
     target = hybrid_dir(kind, cache_dir)

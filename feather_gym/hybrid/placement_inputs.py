@@ -5,18 +5,18 @@ from __future__ import annotations
 
 import json
 
+from traces.io import read_text
+
 
 def model_folder(model: str):
-    """The folder of ``--model``: ``hybrid`` (the trained hybrid's folder, not built here) or a
-    model folder; ``ValueError`` unless it holds a ``config.json``."""
-    from pathlib import Path
+    """The folder of ``--model`` (:func:`~feather_gym.hybrid.model.resolve_model`): a built-in
+    hybrid (not built here) or a model folder; ``ValueError`` unless it holds a ``config.json``."""
+    from feather_gym.hybrid.model import resolve_model
 
-    from feather_gym.hybrid.model import hybrid_dir
-
-    folder = hybrid_dir("trained") if model == "hybrid" else Path(model)
+    kind, folder = resolve_model(model)
     if not (folder / "config.json").is_file():
-        hint = "; build it with `feather hybrid build` or pass --model DIR" if model == "hybrid" else ""
-        raise ValueError(f"--model {model}: no model config at {folder / 'config.json'}{hint}")
+        raise ValueError(f"--model {model}: no model config at {folder / 'config.json'}; build it with "
+                         f"`feather hybrid build --model {kind}` or pass --model DIR")
     return folder
 
 
@@ -49,7 +49,8 @@ SHIPPED_PREFILL = {"hybrid-vllm-cpu": "prefill-hybrid-vllm-cpu.json",
 
 def load_prefill(path: str):
     """The :class:`~cache_core.hybrid.recompute_cost.PrefillTime` of a ``feather profile prefill`` JSON
-    file, or of a shipped profile named in :data:`SHIPPED_PREFILL`."""
+    file, or of a shipped profile named in :data:`SHIPPED_PREFILL`; a name that is neither is a
+    ``FileNotFoundError`` listing the shipped ones."""
     from importlib.resources import files
     from pathlib import Path
 
@@ -57,8 +58,10 @@ def load_prefill(path: str):
 
     if path in SHIPPED_PREFILL and not Path(path).exists():
         path = str(files("feather_gym.costmodel") / "profiles" / SHIPPED_PREFILL[path])
-    with open(path) as f:
-        data = json.load(f)
+    elif not Path(path).is_file():
+        raise FileNotFoundError(f"--prefill-profile {path}: not a file and not one of the shipped "
+                                f"{', '.join(SHIPPED_PREFILL)}")
+    data = json.loads(read_text(path, "prefill-time profile (JSON of `feather profile prefill`)"))
     try:
         return PrefillTime.from_dict(data)
     except KeyError as exc:

@@ -294,6 +294,8 @@ def _timing(sr, model, tail, run, p, replay_tokens, time_prefixes, methods) -> d
 
 def print_report(report: dict) -> None:
     """Human-readable tables of :func:`evaluate`'s report."""
+    from traces.workload import workload_label
+
     print(f"model {report['model']} (float32, {report['torch_threads']} threads), page {report['page_tokens']}, "
           f"GDN layers {report['gdn_layers']}, layer-wise anchors at {report['layerwise_anchored_layers']}")
     print("memory length (tokens to decay 1e-3, slowest head):",
@@ -317,9 +319,9 @@ def print_report(report: dict) -> None:
           f"every 256 {s['checkpoint_every_256_bytes_per_token']:.1f} B/token")
     w = s.get("workload")
     if w:
-        print(f"  on {w['spec']} (page-sized blocks, horizon {w['horizon_blocks']}, {w['cached_pages']} pages hit, "
-              f"mean overlap "
-              f"{w['mean_overlap_tokens']:.0f} tokens), recomputed tokens per request: anchors on every page "
+        print(f"  on {workload_label(w['spec'])} (page-sized blocks, horizon {w['horizon_blocks']}, "
+              f"{w['cached_pages']} pages hit, mean overlap {w['mean_overlap_tokens']:.0f} tokens), "
+              "recomputed tokens per request: anchors on every page "
               f"{w['replay_every_page_recompute_tokens']:.0f}, "
               f"ckpt-8192 {w['checkpoint_every_8192_recompute_tokens']:.0f}, "
               f"ckpt-256 {w['checkpoint_every_256_recompute_tokens']:.0f}")

@@ -45,7 +45,6 @@ All tensors here have batch size 1; anchors are stored without the batch dimensi
 from __future__ import annotations
 
 import math
-import os
 import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -66,11 +65,11 @@ def load_model(kind_or_dir: str = "trained", dtype: torch.dtype = torch.float32)
     mode with SDPA attention (layer-wise replay relies on SDPA's causal default for a ``None`` mask)."""
     from transformers import AutoModelForCausalLM
 
-    from feather_gym.hybrid.model import SPECS, ensure_hybrid_hf
+    from feather_gym.hybrid.model import ensure_hybrid_hf, resolve_model
 
-    folder = ensure_hybrid_hf(kind_or_dir) if kind_or_dir in SPECS else kind_or_dir
-    if not os.path.isdir(folder):
-        raise ValueError(f"no model folder {folder!r}; pass trained, tiny or a model folder")
+    kind, folder = resolve_model(kind_or_dir)
+    if kind is not None:
+        folder = ensure_hybrid_hf(kind)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa").eval()
     if "linear_attention" not in (getattr(model.config, "layer_types", None) or []):
         raise ValueError(f"{folder} is not a hybrid model (no linear_attention layers)")
