@@ -35,9 +35,13 @@ drop (``num_hash_lookahead_tokens``)                                       ``num
                                                                            hashes, without EAGLE or with a connector)
 ``get_request_block_hasher``                    ``(block_size, hash_fn)``  adds ``num_hash_lookahead_tokens=0``
 ``prefill_schedule_interval``                   data-parallel only         also applied locally (default 1: no hold)
-``MambaManager``                                --                         asserts ``mamba_cache_mode == "align"``
-                                                                           when caching; a partial tail block keyed
-                                                                           at that length already is not re-cached
+``MambaManager._cache_partial_tail_block``      re-keys a state block      returns early for such a block: the sibling
+(hybrid models, ``align`` mode)                 already keyed at that      is admitted in the same step (the one
+                                                length: it counts as       schedule difference the parity check finds,
+                                                cached this step, so a     with Feather's sibling-first order); also
+                                                sibling hitting it waits   asserts ``mamba_cache_mode == "align"``
+                                                and admission ends for     when caching
+                                                the step
 ``SchedulerOutput``                             --                         adds ``encoder_input_updates``,
                                                                            ``skip_drafts``
 ==============================================  =========================  ==========================================

@@ -185,3 +185,15 @@ def test_version_parity_digests_repeat_and_compare_names_the_first_difference(tm
     assert compare(a, a) == 0
     assert compare(a, b) == 1
     assert "step 7 differs in ['total_tokens']" in capsys.readouterr().out
+
+
+def test_the_hybrid_plugins_run_model_free_and_keep_states_within_their_budget():
+    from deploy.bench.version_parity import HYBRID_CACHES, STATE_BUDGET, run_side
+    from deploy.hybrid_placement import HybridPlacementConfig, HybridPlacementScheduler
+
+    config = HybridPlacementConfig(placement="dp", state_budget_bytes=STATE_BUDGET)
+    side = run_side(HybridPlacementScheduler, {"hybrid_config": config}, False, HYBRID_CACHES["ample"], hybrid=True)
+    stats = side["stats"]
+    assert len(side["finished"]) == 72 and stats["states_evicted"] > 0 and stats["dp_solves"] > 0
+    assert stats["max_states"] == STATE_BUDGET // stats["state_pool_bytes"]
+    assert any(r[1] for s in side["steps"] for r in s["new"])          # prefix hits resume from kept states

