@@ -6,7 +6,7 @@ Plug it in the way the Feather scheduler is plugged in::
         --scheduler-cls deploy.hybrid_placement.HybridPlacementScheduler \\
         --additional-config '{"feather_hybrid": {"placement": "dp", "state_budget_bytes": 33554432}}'
 
-How vLLM 0.32 caches recurrent state (``mamba_cache_mode="align"``, the mode prefix caching
+How vLLM 0.32 and 0.33 cache recurrent state (``mamba_cache_mode="align"``, the mode prefix caching
 turns on for hybrids; read from the installed source):
 
 * a state exists only at the end of a scheduled chunk, and chunks end on block boundaries;
@@ -51,7 +51,7 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from deploy.vllm_compat import require_supported_vllm
+from deploy.vllm_compat import local_prefix_cache_hit, require_supported_vllm
 
 require_supported_vllm()  # before touching vLLM internals
 
@@ -178,9 +178,10 @@ class HybridPlacementMixin:
         stops = [c * block_size for c in self.chosen_positions(request) if start < c * block_size < start + n]
         return min(stops, default=start + n) - start
 
-    def _get_local_prefix_cache_hit(self, request):
+    def _get_local_prefix_cache_hit(self, request, max_cache_hit_length=None):
         """vLLM's lookup; records the overlap depth (once per request) and the hit state's recency."""
-        blocks, num_local, junction, diverged = super()._get_local_prefix_cache_hit(request)
+        blocks, num_local, junction, diverged = local_prefix_cache_hit(super()._get_local_prefix_cache_hit,
+                                                                       request, max_cache_hit_length)
         if request.request_id not in self._observed:
             self._observed.add(request.request_id)
             self.placement.observe(self.root(request), (junction or num_local) // self.block_size)

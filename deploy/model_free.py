@@ -30,8 +30,15 @@ SAMPLED_TOKEN = 1
 
 def model_free_scheduler(scheduler_cls, *, block_size: int, num_blocks: int, max_num_seqs: int,
                          max_num_batched_tokens: int, max_model_len: int, async_scheduling: bool = False,
-                         **kwargs):
-    """A fresh ``scheduler_cls`` over a KV cache of ``num_blocks`` x ``block_size`` tokens (prefix caching on)."""
+                         hybrid: bool = False, **kwargs):
+    """A fresh ``scheduler_cls`` over a KV cache of ``num_blocks`` x ``block_size`` tokens (prefix caching on).
+
+    ``hybrid``: the model config is the tiny Qwen3-Next hybrid's
+    (:func:`feather_gym.hybrid.model.ensure_hybrid_hf`), so vLLM caches recurrent state in
+    ``align`` mode, and the KV cache has one group per layer, as vLLM groups that model: a
+    Gated DeltaNet state group for each linear-attention layer, an attention group for the
+    full-attention one, the state page padded to at least the attention page.
+    """
     import os
 
     import torch
@@ -41,6 +48,7 @@ def model_free_scheduler(scheduler_cls, *, block_size: int, num_blocks: int, max
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.structured_output import StructuredOutputManager
 
+    from feather_gym.hybrid.model import ensure_hybrid_hf
     from feather_gym.vllm_engine import ensure_smollm2_hf
 
     if min(block_size, num_blocks, max_num_seqs, max_num_batched_tokens, max_model_len) < 1:
@@ -48,18 +56,39 @@ def model_free_scheduler(scheduler_cls, *, block_size: int, num_blocks: int, max
     scheduler_config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                        max_model_len=max_model_len, enable_chunked_prefill=True,
                                        is_encoder_decoder=False, async_scheduling=async_scheduling)
-    model_config = ModelConfig(model=str(ensure_smollm2_hf()), skip_tokenizer_init=True, max_model_len=max_model_len)
+    model_dir = ensure_hybrid_hf("tiny") if hybrid else ensure_smollm2_hf()
+    model_config = ModelConfig(model=str(model_dir), skip_tokenizer_init=True, max_model_len=max_model_len)
     cache_config = CacheConfig(block_size=block_size, enable_prefix_caching=True)
     vllm_config = VllmConfig(scheduler_config=scheduler_config, model_config=model_config, cache_config=cache_config)
     vllm_config.cache_config.block_size = block_size      # the platform may prefer another; the scheduler gets this
     cache_config.num_gpu_blocks = num_blocks
-    kv_cache_config = KVCacheConfig(
-        num_blocks=num_blocks, kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size, num_kv_heads=1, head_size=1,
-                                                                       dtype=torch.float32))])
+    groups = (_hybrid_groups(vllm_config, block_size) if hybrid else
+              [KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size, num_kv_heads=1, head_size=1,
+                                                             dtype=torch.float32))])
+    kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
     return scheduler_cls(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
                          structured_output_manager=StructuredOutputManager(vllm_config), block_size=block_size,
                          hash_block_size=block_size, log_stats=True, **kwargs)
+
+
+def _hybrid_groups(vllm_config, block_size: int) -> list:
+    """The KV cache groups of the tiny Qwen3-Next hybrid (see :func:`model_free_scheduler`)."""
+    import torch
+    from vllm.model_executor.models.qwen3_next import Qwen3NextForCausalLM
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, MambaSpec
+
+    hf = vllm_config.model_config.hf_config
+    state = {"shapes": tuple(Qwen3NextForCausalLM.get_mamba_state_shape_from_config(vllm_config)),
+             "dtypes": tuple(Qwen3NextForCausalLM.get_mamba_state_dtype_from_config(vllm_config)),
+             "block_size": block_size, "mamba_type": MambaAttentionBackendEnum.GDN_ATTN,
+             "mamba_cache_mode": vllm_config.cache_config.mamba_cache_mode}
+    attention = FullAttentionSpec(block_size, num_kv_heads=hf.num_key_value_heads, head_size=hf.head_dim,
+                                  dtype=torch.float32)
+    recurrent = MambaSpec(**state, page_size_padded=max(attention.page_size_bytes, MambaSpec(**state).page_size_bytes))
+    return [KVCacheGroupSpec([f"model.layers.{i}.linear_attn"], recurrent) if kind == "linear_attention"
+            else KVCacheGroupSpec([f"model.layers.{i}.self_attn.attn"], attention)
+            for i, kind in enumerate(hf.layer_types)]
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """SuffixReplay in vLLM's scheduler: a prefix hit resumes at the attention hit, rebuilding states from anchors.
 
-vLLM 0.32 resumes a hybrid model's prefix hit at the deepest block boundary whose recurrent
+vLLM (0.32, 0.33) resumes a hybrid model's prefix hit at the deepest block boundary whose recurrent
 state it kept (``B_state``), even when attention KV matched further (``B_kv``); everything in
 between is recomputed. With this plug-in a hit resumes at the deepest boundary ``B`` in
 ``(B_state, B_kv]`` whose anchors are kept, and each GDN layer rebuilds its state there by
@@ -38,7 +38,7 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from deploy.vllm_compat import require_supported_vllm
+from deploy.vllm_compat import local_prefix_cache_hit, prefix_cache_hit_limit, require_supported_vllm
 
 require_supported_vllm()  # before touching vLLM internals
 
@@ -116,15 +116,17 @@ class SuffixReplayMixin:
         """vLLM's chained hash of the page that ends at ``boundary`` (the anchors' key)."""
         return request.block_hashes[boundary // self.hash_block_size - 1]
 
-    def _get_local_prefix_cache_hit(self, request):
+    def _get_local_prefix_cache_hit(self, request, max_cache_hit_length=None):
         """vLLM's hit (with the placement plug-in's bookkeeping), deepened to the deepest boundary
-        within the attention hit whose anchors are kept."""
-        blocks, num_local, junction, diverged = super()._get_local_prefix_cache_hit(request)
+        within the attention hit whose anchors are kept (and within vLLM's cap on the hit)."""
+        blocks, num_local, junction, diverged = local_prefix_cache_hit(super()._get_local_prefix_cache_hit,
+                                                                       request, max_cache_hit_length)
         self._rebuild_at.pop(request.request_id, None)
         if diverged or not self.kv_cache_manager.prefix_cache_lookup_enabled(request):
             return blocks, num_local, junction, diverged
         coordinator = self.kv_cache_manager.coordinator
-        computed, hits = coordinator.find_longest_cache_hit_per_group(request.block_hashes, request.num_tokens - 1)
+        computed, hits = coordinator.find_longest_cache_hit_per_group(
+            request.block_hashes, prefix_cache_hit_limit(request, max_cache_hit_length))
         block = self.block_size
         boundary = next((b * block for b in range(hits[coordinator.full_attention_group_id] // block,
                                                    num_local // block, -1)

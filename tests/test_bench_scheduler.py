@@ -168,3 +168,32 @@ def test_bench_scheduler_reports_every_side_against_vllm(capsys):
         if label != "vllm":
             assert side["feather_over_vllm_step_p50"] > 0 and side["feather_over_vllm_burst_round"] > 0
             assert side["policy_decisions"] > 0 and side["policy_fallbacks"] == 0
+
+
+def test_version_parity_digests_repeat_and_compare_names_the_first_difference(tmp_path, capsys):
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from deploy.bench.version_parity import CACHES, compare, run_side
+
+    first, second = (run_side(Scheduler, {}, False, CACHES["tight"]) for _ in range(2))
+    assert first == second and len(first["finished"]) == 72
+    assert any(step["preempted"] for step in first["steps"]) and any(r[1] for s in first["steps"] for r in s["new"])
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps({"vllm": "x", "sides": {"vllm/tight": first}}))
+    second["steps"][7]["total_tokens"] += 1
+    b.write_text(json.dumps({"vllm": "y", "sides": {"vllm/tight": second}}))
+    assert compare(a, a) == 0
+    assert compare(a, b) == 1
+    assert "step 7 differs in ['total_tokens']" in capsys.readouterr().out
+
+
+def test_the_hybrid_plugins_run_model_free_and_keep_states_within_their_budget():
+    from deploy.bench.version_parity import HYBRID_CACHES, STATE_BUDGET, run_side
+    from deploy.hybrid_placement import HybridPlacementConfig, HybridPlacementScheduler
+
+    config = HybridPlacementConfig(placement="dp", state_budget_bytes=STATE_BUDGET)
+    side = run_side(HybridPlacementScheduler, {"hybrid_config": config}, False, HYBRID_CACHES["ample"], hybrid=True)
+    stats = side["stats"]
+    assert len(side["finished"]) == 72 and stats["states_evicted"] > 0 and stats["dp_solves"] > 0
+    assert stats["max_states"] == STATE_BUDGET // stats["state_pool_bytes"]
+    assert any(r[1] for s in side["steps"] for r in s["new"])          # prefix hits resume from kept states

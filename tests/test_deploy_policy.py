@@ -72,11 +72,33 @@ def test_cuda_only_when_available(files, caplog):
         OnnxPolicy(files["add"], device="tpu")
 
 
-@pytest.mark.parametrize("version, ok", [("0.32.0", True), ("0.32.4+cpu", True), ("0.31.9", False),
-                                         ("0.33.0", False), ("1.0.0", False)])
+@pytest.mark.parametrize("version, ok", [("0.32.0", True), ("0.32.4+cpu", True), ("0.33.0", True),
+                                         ("0.33.1.post1", True), ("0.31.9", False), ("0.34.0", False),
+                                         ("0.34.0rc1", False), ("1.0.0", False)])
 def test_vllm_version_guard(version, ok):
     if ok:
         assert require_supported_vllm(version) == version
     else:
-        with pytest.raises(RuntimeError, match=rf"supports vLLM >=0\.32\.0,<0\.33\.0, found vLLM {version}"):
+        with pytest.raises(RuntimeError, match=rf"supports vLLM >=0\.32\.0,<0\.34\.0, found vLLM {version}"):
             require_supported_vllm(version)
+
+
+@pytest.mark.parametrize("release, cap, called_with", [("0.32.0", None, ("req",)), ("0.33.0", None, ("req", None)),
+                                                       ("0.33.0", 48, ("req", 48))])
+def test_local_prefix_cache_hit_passes_vllms_cap_from_033(monkeypatch, release, cap, called_with):
+    from packaging.version import Version
+
+    from deploy import vllm_compat
+
+    monkeypatch.setattr(vllm_compat, "_installed_release", lambda: Version(release))
+    assert vllm_compat.local_prefix_cache_hit(lambda *args: args, "req", cap) == called_with
+
+
+def test_prefix_cache_hit_limit_defaults_to_all_tokens_but_the_last():
+    from types import SimpleNamespace
+
+    from deploy.vllm_compat import prefix_cache_hit_limit
+
+    request = SimpleNamespace(num_tokens=100)
+    assert prefix_cache_hit_limit(request) == 99
+    assert prefix_cache_hit_limit(request, 64) == 64
