@@ -161,6 +161,11 @@ class CHTWaitingQueue(RequestQueue):
     def __iter__(self) -> Iterator[Request]:
         return iter(list(self._fcfs.values()))
 
+    def __getitem__(self, index: int) -> Request:
+        """The ``index``-th waiting request in FCFS order, as vLLM's deque-based FCFS queue indexes
+        (its tests read ``scheduler.waiting[i]``). O(W)."""
+        return list(self._fcfs.values())[index]
+
     def _leave_running(self, request: Request) -> None:
         if request.request_id in self._running:
             self._running.discard(request.request_id)

@@ -197,3 +197,170 @@ def test_the_hybrid_plugins_run_model_free_and_keep_states_within_their_budget()
     assert len(side["finished"]) == 72 and stats["states_evicted"] > 0 and stats["dp_solves"] > 0
     assert stats["max_states"] == STATE_BUDGET // stats["state_pool_bytes"]
     assert any(r[1] for s in side["steps"] for r in s["new"])          # prefix hits resume from kept states
+
+
+# --- The invariants vLLM's own scheduler tests check (tests/v1/core; scripts/vllm_conformance.py runs those
+# against the Feather classes), here for every class model-free: KV block accounting at every step,
+# preempted requests resume before fresh admissions, aborts and a prefix-cache reset mid-run, and
+# vLLM's prefix-cache hits under the Feather order.
+
+def check_block_accounting(scheduler) -> None:
+    """Every block a request holds is referenced once per holder; the free blocks and the held ones
+    are the whole cache but vLLM's null block; a running request holds blocks for all its computed
+    tokens (this step's included) and a waiting one holds none."""
+    from collections import Counter
+
+    (manager,) = scheduler.kv_cache_manager.coordinator.single_type_managers
+    pool = scheduler.kv_cache_manager.block_pool
+    holders = Counter(block.block_id for blocks in manager.req_to_blocks.values() for block in blocks
+                      if not block.is_null)
+    assert all(pool.blocks[block_id].ref_cnt == count for block_id, count in holders.items())
+    assert pool.get_num_free_blocks() + len(holders) == len(pool.blocks) - 1
+    for request in scheduler.running:
+        assert len(manager.req_to_blocks[request.request_id]) * BLOCK >= request.num_computed_tokens
+    for request in scheduler.waiting:
+        assert not manager.req_to_blocks.get(request.request_id)
+
+
+@pytest.mark.parametrize("name", ["vllm", "vllm-async", "feather", "feather-async"])
+def test_blocks_are_accounted_at_every_step_and_preempted_requests_resume_before_fresh_ones(name):
+    """Under a small cache (vLLM preempts): the block accounting holds after every ``schedule()``,
+    and no request is admitted for the first time while a preempted one still waits (vLLM puts
+    preempted requests back at the front; the Feather admission takes them first)."""
+    from deploy.model_free import vllm_requests
+
+    cls, kwargs, pipelined = scheduler_classes()[name]
+    requests = vllm_requests(trace(), block_size=BLOCK)
+    holder, scheduled, checked = {}, set(), []
+
+    def on_schedule(output):
+        scheduler = holder["scheduler"]
+        check_block_accounting(scheduler)
+        fresh = [r.req_id for r in output.scheduled_new_reqs if r.req_id not in scheduled]
+        if fresh:
+            assert not [r.request_id for r in scheduler.waiting if r.request_id in scheduled]
+        scheduled.update(output.num_scheduled_tokens)
+        checked.append(len(output.preempted_req_ids or ()))
+
+    from deploy.model_free import ModelFreeEngine, model_free_scheduler
+
+    scheduler = holder["scheduler"] = model_free_scheduler(
+        cls, block_size=BLOCK, num_blocks=40, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=1024,
+        async_scheduling=pipelined, **kwargs)
+    engine = ModelFreeEngine(scheduler, pipelined=pipelined, on_schedule=on_schedule)
+    engine.add_requests(requests)
+    while scheduler.has_unfinished_requests():
+        engine.step()
+    engine.drain()
+    assert sum(checked) > 0 and engine.finished == {r.request_id for r in requests}
+    check_block_accounting(scheduler)
+
+
+@pytest.mark.parametrize("name", ["vllm", "vllm-async", "feather", "feather-async"])
+def test_aborted_requests_leave_the_queue_and_the_cache_and_the_rest_finish(name):
+    """Aborting waiting and running requests mid-run (a step in flight when pipelined): the rest
+    finish with their full output, every block returns, and the Feather queue's tree forgets them."""
+    from vllm.v1.request import RequestStatus
+
+    from deploy.model_free import vllm_requests
+
+    cls, kwargs, pipelined = scheduler_classes()[name]
+    source = trace()
+    requests = vllm_requests(source, block_size=BLOCK)
+    from deploy.model_free import ModelFreeEngine, model_free_scheduler
+
+    scheduler = model_free_scheduler(cls, block_size=BLOCK, num_blocks=4096, max_num_seqs=8,
+                                     max_num_batched_tokens=256, max_model_len=1024, async_scheduling=pipelined,
+                                     **kwargs)
+    engine = ModelFreeEngine(scheduler, pipelined=pipelined)
+    engine.add_requests(requests)
+    for _ in range(3):
+        engine.step()
+    running = {r.request_id for r in scheduler.running}
+    waiting = {r.request_id for r in scheduler.waiting}
+    aborted = set(sorted(running)[::2]) | set(sorted(waiting)[::2])
+    assert aborted & running and aborted & waiting
+    scheduler.finish_requests(aborted, RequestStatus.FINISHED_ABORTED)
+    check_block_accounting(scheduler)
+    assert not aborted & {r.request_id for r in scheduler.waiting}
+    while scheduler.has_unfinished_requests():
+        engine.step()
+    engine.drain()
+    kept = [(r, t) for r, t in zip(requests, source) if r.request_id not in aborted]
+    assert engine.finished >= {r.request_id for r, _ in kept}
+    assert all(r.num_output_tokens == max(t.output_len, 1) for r, t in kept)
+    assert scheduler.kv_cache_manager.usage == 0.0 and not scheduler.running and not len(scheduler.waiting)
+    if name.startswith("feather"):
+        entries = scheduler.waiting.tree.memory_entries()
+        assert entries == dict.fromkeys(entries, 0)
+
+
+@pytest.mark.parametrize("name", ["vllm", "feather"])
+def test_a_prefix_cache_reset_puts_the_running_requests_back_in_order_and_all_finish(name):
+    """``reset_prefix_cache(reset_running_requests=True)`` (vLLM's test_scheduler_reset_prefix_cache):
+    the running requests return to the waiting queue in their running order, readable by index as
+    vLLM's deque queue is, and then every request finishes with its full output."""
+    from deploy.model_free import ModelFreeEngine, model_free_scheduler, vllm_requests
+
+    cls, kwargs, _ = scheduler_classes()[name]
+    source = trace(24)
+    requests = vllm_requests(source, block_size=BLOCK)
+    scheduler = model_free_scheduler(cls, block_size=BLOCK, num_blocks=4096, max_num_seqs=8,
+                                     max_num_batched_tokens=256, max_model_len=1024, **kwargs)
+    engine = ModelFreeEngine(scheduler)
+    engine.add_requests(requests)
+    for _ in range(4):
+        engine.step()
+    running = [r.request_id for r in scheduler.running]
+    waited = [r.request_id for r in scheduler.waiting]
+    assert running and not scheduler.reset_prefix_cache()
+    assert scheduler.reset_prefix_cache(reset_running_requests=True)
+    assert not scheduler.running and scheduler.kv_cache_manager.usage == 0.0
+    assert [scheduler.waiting[i].request_id for i in range(len(scheduler.waiting))] == running + waited
+    assert [r.request_id for r in scheduler.waiting] == running + waited
+    while scheduler.has_unfinished_requests():
+        engine.step()
+    assert engine.finished == {r.request_id for r in requests}
+    assert all(r.num_output_tokens == max(t.output_len, 1) for r, t in zip(requests, source))
+
+
+@pytest.mark.parametrize("name", ["vllm", "vllm-async", "feather", "feather-async"])
+def test_a_second_turn_is_served_from_the_prefix_cache(name):
+    """Multi-turn (vLLM's test_prefix_caching_for_multi_turn): a request whose prompt extends a
+    finished one's starts with the finished prompt's full blocks computed, whatever order admits it."""
+    import numpy as np
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+    from vllm.v1.request import Request
+
+    from deploy.model_free import ModelFreeEngine, model_free_scheduler, vllm_requests
+
+    cls, kwargs, pipelined = scheduler_classes()[name]
+    first = vllm_requests(trace(12, seed=5), block_size=BLOCK)
+    scheduler = model_free_scheduler(cls, block_size=BLOCK, num_blocks=4096, max_num_seqs=8,
+                                     max_num_batched_tokens=4096, max_model_len=1024, async_scheduling=pipelined,
+                                     **kwargs)
+    engine = ModelFreeEngine(scheduler, pipelined=pipelined)
+    engine.add_requests(first)
+    while scheduler.has_unfinished_requests():
+        engine.step()
+    engine.drain()
+    hasher = get_request_block_hasher(BLOCK, sha256)
+    rng = np.random.default_rng(1)
+    second = [Request(f"turn2-{r.request_id}", list(r.prompt_token_ids) + rng.integers(1000, 2000, 20).tolist(),
+                      SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0), None, block_hasher=hasher)
+              for r in first]
+    expected = {r.request_id: len(f.prompt_token_ids) // BLOCK * BLOCK for f, r in zip(first, second)}
+    hits = {}
+
+    def on_schedule(output):
+        hits.update({new.req_id: new.num_computed_tokens for new in output.scheduled_new_reqs})
+
+    engine.on_schedule = on_schedule
+    engine.add_requests(second)
+    while scheduler.has_unfinished_requests():
+        engine.step()
+    engine.drain()
+    assert hits == expected
+    assert scheduler.kv_cache_manager.usage == 0.0
