@@ -127,14 +127,10 @@ def compare_command(args) -> int:
                    for name, metrics in compare_policies(trace, cost_model, names, config).items()}
     print(f"workload {label} ({len(trace)} requests arriving over {trace.duration_s:.3f} s), "
           f"profile {cost_model.name}; queue = arrival to first scheduling")
-    print(format_comparison(results))
-    if args.plot:
-        plot_comparison(results, args.plot, title=f"{label} on {cost_model.name}")
-        print(f"wrote {args.plot}")
-    if args.json:
-        print(json.dumps({"workload": label, "spec": spec, "profile": cost_model.name, "requests": len(trace),
-                          "arrival_span_s": trace.duration_s, **(load or {}), "policies": results}))
-    return 0
+    return _emit(args, format_comparison(results),
+                 lambda path: plot_comparison(results, path, title=f"{label} on {cost_model.name}"),
+                 {"workload": label, "spec": spec, "profile": cost_model.name, "requests": len(trace),
+                  "arrival_span_s": trace.duration_s, **(load or {}), "policies": results})
 
 
 def sweep_command(args) -> int:
@@ -160,12 +156,19 @@ def sweep_command(args) -> int:
           f"TPOT {slo.tpot_s * 1e3:g} ms")
     print(f"FCFS capacity {report['capacity_requests_per_s']:.4g} requests/s ({report['capacity_rate_factor']:.4g}x "
           f"the recorded rate, {report['capacity_simulations']} runs)")
-    print(format_sweep(report))
+    return _emit(args, format_sweep(report),
+                 lambda path: plot_sweep(report, path, title=f"{label} on {cost_model.name}"),
+                 {"workload": label, "spec": spec, **report})
+
+
+def _emit(args, table: str, plot, payload: dict) -> int:
+    """Print ``table``; with ``--plot``, ``plot(path)``; with ``--json``, ``payload`` as the last line."""
+    print(table)
     if args.plot:
-        plot_sweep(report, args.plot, title=f"{label} on {cost_model.name}")
+        plot(args.plot)
         print(f"wrote {args.plot}")
     if args.json:
-        print(json.dumps({"workload": label, "spec": spec, **report}))
+        print(json.dumps(payload))
     return 0
 
 
