@@ -120,7 +120,7 @@ class HybridPlacementMixin:
         self.states = StateRegistry(self.max_states)              # vLLM block hash -> position (blocks)
         self.placement = config.rooted_placement()
         self.evicted_states = 0
-        self.metrics = MetricsRecorder()
+        self.metrics = getattr(self, "metrics", None) or MetricsRecorder()   # one per scheduler, shared by the mixins
         self._observed: set[str] = set()                          # requests whose depth the estimator has
         if config.placement == "dp":
             for manager in self._mamba.values():

@@ -200,7 +200,7 @@ class FeatherSchedulingMixin:
         self.policy_reloader = reloader if isinstance(self.admission, PolicyAdmission) else None
         self.step_log = config.make_step_log()
         self.decode_composition = DecodeComposition(self.hash_block_size)
-        self.metrics = MetricsRecorder()
+        self.metrics = getattr(self, "metrics", None) or MetricsRecorder()   # one per scheduler, shared by the mixins
         if isinstance(self.admission, PolicyAdmission):
             self.admission.decision_latencies_ns = []
 

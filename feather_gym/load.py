@@ -74,9 +74,10 @@ def sustains(result, tolerance: float = DEFAULT_TOLERANCE) -> bool:
 
 
 def find_capacity(trace: Trace, cost_model, config=None, *, tolerance: float = DEFAULT_TOLERANCE,
-                  precision: float = DEFAULT_PRECISION) -> Capacity:
+                  precision: float = DEFAULT_PRECISION, digests=None) -> Capacity:
     """The :class:`Capacity` of ``trace`` under FCFS on ``cost_model`` (see the module docstring).
 
+    ``digests``: the trace's ``trace_digests`` when the caller has them (rescaling keeps prompts).
     ``ValueError`` for a trace of fewer than two arrival times (it has no rate).
     """
     from feather_gym.policies import make_policy
@@ -87,7 +88,8 @@ def find_capacity(trace: Trace, cost_model, config=None, *, tolerance: float = D
     if not (tolerance > 0 and 0 < precision < 1):
         raise ValueError("tolerance must be > 0 and precision in (0, 1)")
     config = config or EngineConfig()
-    digests = trace_digests(trace, config.block_size or cost_model.block_size)
+    if digests is None:
+        digests = trace_digests(trace, config.block_size or cost_model.block_size)
     runs = 0
 
     def ok(factor: float) -> bool:

@@ -204,6 +204,16 @@ class SimResult:
     forced_wait_admissions: int = 0   #: answers of the waiting-time bound (a retried one counts again), as deployed
     hybrid: dict | None = None        #: the recurrent-state cache's counters (hybrid mode)
 
+    def latencies(self) -> tuple[np.ndarray, np.ndarray]:
+        """TTFT and TPOT (seconds) of each finished request, in trace order. A request's TPOT is
+        ``(finish - first token) / (output tokens - 1)``, NaN for a one-token output (it has none)."""
+        done = self.finished
+        out = self.output_len[done]
+        ttft = self.first_token_s[done] - self.arrival_s[done]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            tpot = np.where(out > 1, (self.finish_s[done] - self.first_token_s[done]) / (out - 1), np.nan)
+        return ttft, tpot
+
     def metrics(self) -> dict:
         """Throughput (output tokens / (last finish - first arrival)), TTFT, per-token latency, waits,
         and the load regime (arrival span against makespan; queueing delay, arrival to first scheduling)."""
@@ -212,9 +222,8 @@ class SimResult:
             raise ValueError("no request finished")
         out = self.output_len[done]
         makespan = float(self.finish_s[done].max() - self.arrival_s[done].min())
-        ttft = self.first_token_s[done] - self.arrival_s[done]
-        multi = out > 1
-        tpot = (self.finish_s[done][multi] - self.first_token_s[done][multi]) / (out[multi] - 1)
+        ttft, tpot = self.latencies()
+        tpot = tpot[out > 1]
         arrivals = self.arrival_s[done]
         delay = self.first_scheduled_s[done] - arrivals
         return {

@@ -5,8 +5,8 @@ it at each load factor and runs every policy there. Per load and policy it repor
 ``SimResult.metrics()`` plus the TPOT percentiles and the goodput: the requests that meet the SLO
 (TTFT and TPOT both within it) per second of makespan, and their share of all requests.
 
-A request's TPOT is ``(finish - first token) / (output tokens - 1)``; a one-token request has
-none and meets any TPOT bound. SLO defaults are per profile device (:data:`DEFAULT_SLOS`): a GPU
+A request's TPOT is ``SimResult.latencies``'; a one-token request has none and meets any TPOT
+bound. SLO defaults are per profile device (:data:`DEFAULT_SLOS`): a GPU
 serving an 8B model and a 2-core CPU serving a 135M model do not answer in the same time.
 """
 
@@ -52,21 +52,17 @@ def parse_slo(text: str, default: SLO) -> SLO:
     return SLO(ttft_s=bounds["ttft"], tpot_s=bounds["tpot"])
 
 
-def latency_and_goodput(result, slo: SLO) -> dict:
-    """TPOT percentiles and goodput of one ``SimResult`` under ``slo``."""
-    done = result.finished
-    out = result.output_len[done]
-    ttft = result.first_token_s[done] - result.arrival_s[done]
-    tpot = np.where(out > 1, (result.finish_s[done] - result.first_token_s[done]) / np.maximum(out - 1, 1), 0.0)
-    met = (ttft <= slo.ttft_s) & (tpot <= slo.tpot_s)
-    makespan = float(result.finish_s[done].max() - result.arrival_s[done].min())
-    multi = tpot[out > 1]
+def latency_and_goodput(result, slo: SLO, makespan_s: float) -> dict:
+    """TPOT percentiles and goodput of one ``SimResult`` under ``slo`` (``makespan_s``: its metrics')."""
+    ttft, tpot = result.latencies()
+    met = (ttft <= slo.ttft_s) & ~(tpot > slo.tpot_s)          # a NaN TPOT (one token) meets any bound
+    multi = tpot[~np.isnan(tpot)]
     return {
         "tpot_p50_ms": float(np.percentile(multi, 50) * 1e3) if len(multi) else 0.0,
         "tpot_p99_ms": float(np.percentile(multi, 99) * 1e3) if len(multi) else 0.0,
         "slo_met_requests": int(met.sum()),
-        "slo_met_fraction": float(met.sum() / len(done)),
-        "goodput_req_s": float(met.sum() / makespan) if makespan > 0 else 0.0,
+        "slo_met_fraction": float(met.sum() / len(ttft)),
+        "goodput_req_s": float(met.sum() / makespan_s) if makespan_s > 0 else 0.0,
     }
 
 
@@ -76,15 +72,16 @@ def load_sweep(trace, cost_model, policy_names: list[str], loads: list[float], *
     from feather_gym.simulator import EngineConfig, simulate, trace_digests
 
     config = config or EngineConfig()
-    capacity = find_capacity(trace, cost_model, config)
     digests = trace_digests(trace, config.block_size or cost_model.block_size)
+    capacity = find_capacity(trace, cost_model, config, digests=digests)
     rows = []
     for load in map(check_load, loads):
         loaded = at_load(trace, capacity, load)
         for name in policy_names:
             result = simulate(loaded, cost_model, make_policy(name), config=config, digests=digests)
+            metrics = result.metrics()
             rows.append({"load": load, "policy": name, "arrival_rate_req_s": capacity.requests_per_s * load,
-                         **result.metrics(), **latency_and_goodput(result, slo)})
+                         **metrics, **latency_and_goodput(result, slo, metrics["makespan_s"])})
     return {"requests": len(trace), "profile": cost_model.name, **capacity.as_dict(), **slo.as_dict(), "rows": rows}
 
 

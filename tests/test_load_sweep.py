@@ -78,10 +78,11 @@ def test_goodput_counts_the_requests_within_the_slo():
     from feather_gym.sweep import SLO, latency_and_goodput
 
     result = simulate(trace(), h200(), make_policy("fcfs"))
-    lenient = latency_and_goodput(result, SLO(ttft_s=1e9, tpot_s=1e9))
+    makespan_s = result.metrics()["makespan_s"]
+    lenient = latency_and_goodput(result, SLO(ttft_s=1e9, tpot_s=1e9), makespan_s)
     assert lenient["slo_met_requests"] == len(trace()) and lenient["slo_met_fraction"] == 1.0
     ttft = result.first_token_s - result.arrival_s
-    strict = latency_and_goodput(result, SLO(ttft_s=float(np.median(ttft)), tpot_s=1e9))
+    strict = latency_and_goodput(result, SLO(ttft_s=float(np.median(ttft)), tpot_s=1e9), makespan_s)
     assert strict["slo_met_requests"] == int((ttft <= np.median(ttft)).sum()) < len(trace())
     assert strict["goodput_req_s"] < lenient["goodput_req_s"]
 
