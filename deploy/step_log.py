@@ -29,7 +29,10 @@ import time
 from collections import deque
 from pathlib import Path
 
+from deploy._composition import DecodeComposition
 from feather_gym.costmodel.refit import LiveStep
+
+__all__ = ["DecodeComposition", "StepLog", "step_composition"]
 
 logger = logging.getLogger(__name__)
 
@@ -40,12 +43,15 @@ def step_composition(scheduler_output, requests: dict, block_size: int) -> dict:
     Read after ``schedule()``, when each request's ``num_computed_tokens`` already counts
     this step's tokens. A request scheduling one token after its prompt is a decode (context:
     the tokens computed before, plus this one); any other is a prefill chunk ``[new, cached]``
-    (a preempted request's recomputation included). Distinct KV and groups come from the
+    (a preempted request's recomputation included); ``prefill_chunks`` lists them in ascending order.
+    Distinct KV and groups come from the
     requests' block hashes (equal hashes are one cached block in vLLM's prefix cache); groups
     are keyed by the first block, a request without a full block is a group of its own.
     ``block_size`` is the tokens per block hash (the scheduler's ``hash_block_size``).
     O(blocks of the decoding requests): the definition, which :class:`DecodeComposition`
-    maintains incrementally for the scheduler.
+    (compiled, ``deploy/native/composition.cpp``) maintains incrementally for the scheduler: the
+    same figures from O(scheduled requests) checks a step, plus O(blocks) once per request that
+    starts or stops decoding.
     """
     decode = kv = 0
     chunks: list[list[int]] = []
@@ -70,106 +76,7 @@ def step_composition(scheduler_output, requests: dict, block_size: int) -> dict:
             ungrouped += 1
     unique = len(blocks) * block_size + (kv - full_tokens)
     return {"decode_requests": decode, "decode_kv_tokens": kv, "decode_unique_kv_tokens": unique,
-            "decode_groups": len(firsts) + ungrouped, "prefill_chunks": chunks}
-
-
-def _past_prompt(request) -> bool:
-    return request.num_computed_tokens > request.num_prompt_tokens
-
-
-class DecodeComposition:
-    """:func:`step_composition`, maintained across steps instead of rescanned.
-
-    Keeps, per request that decoded in the last step it was scheduled, its block hashes and
-    the full blocks it counts, with a reference count per counted block hash and per
-    first-block hash. A step counts the blocks its decoding requests newly filled; a request
-    that stops decoding is uncounted: at once when it leaves the engine (:meth:`leave`), else
-    (preempted, or not scheduled) at the first step that does not decode it. Cost per step:
-    O(decoding requests) cheap checks, plus O(blocks) once per request that starts or stops
-    decoding, not O(all their blocks) every step.
-
-    Invariant: :meth:`update` returns exactly what :func:`step_composition` computes for the
-    same step (``tests/test_bench_scheduler.py`` checks it step by step, under preemption).
-    """
-
-    def __init__(self, block_size: int) -> None:
-        self.block_size = block_size
-        #: request id -> [block hashes, full blocks counted, next ``before`` to look at]
-        self._counted: dict = {}
-        self._blocks: dict = {}             # block hash -> decoding requests counting it
-        self._firsts: dict = {}             # first block hash -> decoding requests counting it
-        self._full_blocks = 0               # sum of the counted full blocks
-        self._ungrouped = 0                 # counted requests without a full block
-
-    def leave(self, request_id) -> None:
-        """``request_id`` left the engine: uncount it (a no-op when it was not counted)."""
-        entry = self._counted.pop(request_id, None)
-        if entry is not None:
-            self._uncount(entry[0], entry[1])
-            self._ungrouped -= not entry[1]
-
-    def update(self, scheduler_output, requests: dict) -> dict:
-        """The composition of the step just scheduled (read after ``schedule()``)."""
-        block_size, counted = self.block_size, self._counted
-        kv = 0
-        chunks: list[list[int]] = []
-        scheduled = scheduler_output.num_scheduled_tokens
-        for request_id, new in scheduled.items():
-            request = requests[request_id]
-            before = request.num_computed_tokens - new
-            if new != 1 or before < request.num_prompt_tokens:
-                chunks.append([new, before])
-                continue
-            kv += before + 1
-            entry = counted.get(request_id)
-            if entry is not None and before < entry[2]:
-                continue                    # no block filled since it was last looked at
-            hashes = request.block_hashes
-            blocks = (before + 1) // block_size
-            full = min(len(hashes), blocks)
-            if entry is None:
-                entry = counted[request_id] = [hashes, 0, 0]
-                self._ungrouped += 1
-            if full > entry[1]:
-                self._ungrouped -= not entry[1]
-                self._count(hashes, entry[1], full)
-                entry[1] = full
-            # ``full`` grows when ``before + 1`` reaches the next block, or (hashes behind) once one is hashed
-            entry[2] = (full + 1) * block_size - 1 if full == blocks else before + 1
-        decode = len(scheduled) - len(chunks)
-        if len(counted) > decode:           # a counted request did not decode in this step (preempted, unscheduled)
-            decoding = {request_id for request_id, new in scheduled.items()
-                        if new == 1 and _past_prompt(requests[request_id])}
-            for request_id in counted.keys() - decoding:
-                self.leave(request_id)
-        unique = len(self._blocks) * block_size + (kv - self._full_blocks * block_size)
-        return {"decode_requests": decode, "decode_kv_tokens": kv, "decode_unique_kv_tokens": unique,
-                "decode_groups": len(self._firsts) + self._ungrouped, "prefill_chunks": chunks}
-
-    def _count(self, hashes, start: int, stop: int) -> None:
-        blocks = self._blocks
-        for block in hashes[start:stop]:
-            blocks[block] = blocks.get(block, 0) + 1
-        if not start:
-            self._firsts[hashes[0]] = self._firsts.get(hashes[0], 0) + 1
-        self._full_blocks += stop - start
-
-    def _uncount(self, hashes, full: int) -> None:
-        if not full:
-            return
-        blocks = self._blocks
-        for block in hashes[:full]:
-            refs = blocks[block] - 1
-            if refs:
-                blocks[block] = refs
-            else:
-                del blocks[block]
-        refs = self._firsts[hashes[0]] - 1
-        if refs:
-            self._firsts[hashes[0]] = refs
-        else:
-            del self._firsts[hashes[0]]
-        self._full_blocks -= full
+            "decode_groups": len(firsts) + ungrouped, "prefill_chunks": sorted(chunks)}
 
 
 class StepLog:

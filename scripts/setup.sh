@@ -15,7 +15,7 @@ case ",$EXTRAS," in *,cuda,*) STACK=cuda;; *) STACK=cpu;; esac
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 # The stamp covers what the install builds from: the metadata, this script, the constraints, the compiled sources.
 stamp=".venv/.setup-$(cat pyproject.toml setup.py scripts/setup.sh constraints/*.txt cache_core/cht/native/*.cpp \
-  feather_gym/native/*.cpp | sha1sum | cut -c1-12)-${EXTRAS//,/_}"
+  feather_gym/native/*.cpp deploy/native/*.cpp | sha1sum | cut -c1-12)-${EXTRAS//,/_}"
 if [ ! -f "$stamp" ]; then
   start=$(date +%s)
   .venv/bin/pip install --quiet --upgrade pip

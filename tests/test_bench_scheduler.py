@@ -112,15 +112,18 @@ def test_pipelined_steps_are_scheduled_before_the_previous_output_is_applied(nam
     assert all(r.num_output_placeholders == 0 for r in requests)
 
 
-@pytest.mark.parametrize("owner", ["standalone", "feather-step-log"])
-def test_decode_composition_equals_the_scan_at_every_step(owner):
+@pytest.mark.parametrize("owner, pipelined", [("standalone", False), ("feather-step-log", False),
+                                             ("standalone", True), ("feather-step-log", True)])
+def test_decode_composition_equals_the_scan_at_every_step(owner, pipelined):
     """The incremental composition against the from-scratch definition, under preemption (small
     cache): standalone beside vLLM's scheduler (requests leave unannounced), and the Feather
-    scheduler's own, which its ``_free_request`` tells of every request that leaves."""
+    scheduler's own, which its ``_free_request`` tells of every request that leaves; stepped
+    synchronously and pipelined (async scheduling)."""
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
 
     from deploy.model_free import ModelFreeEngine, model_free_scheduler, vllm_requests
-    from deploy.scheduler import FeatherConfig, FeatherScheduler
+    from deploy.scheduler import FeatherAsyncScheduler, FeatherConfig, FeatherScheduler
     from deploy.step_log import DecodeComposition, step_composition
 
     composition = DecodeComposition(BLOCK)
@@ -135,16 +138,20 @@ def test_decode_composition_equals_the_scan_at_every_step(owner):
         if owner == "standalone":
             incremental.append(composition.update(output, requests))
 
-    cls, kwargs = ((Scheduler, {}) if owner == "standalone" else
-                   (FeatherScheduler, {"feather_config": FeatherConfig(policy="feather-rule", policy_reload_s=None)}))
+    config = {"feather_config": FeatherConfig(policy="feather-rule", policy_reload_s=None)}
+    cls, kwargs = {("standalone", False): (Scheduler, {}), ("standalone", True): (AsyncScheduler, {}),
+                   ("feather-step-log", False): (FeatherScheduler, config),
+                   ("feather-step-log", True): (FeatherAsyncScheduler, config)}[owner, pipelined]
     scheduler = holder["scheduler"] = model_free_scheduler(
         cls, block_size=BLOCK, num_blocks=48, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=1024,
-        **kwargs)
-    engine = ModelFreeEngine(scheduler, on_schedule=on_schedule)
+        async_scheduling=pipelined, **kwargs)
+    engine = ModelFreeEngine(scheduler, pipelined=pipelined, on_schedule=on_schedule)
     engine.add_requests(vllm_requests(trace(40, seed=3), block_size=BLOCK))
     preempted = 0
     while scheduler.has_unfinished_requests():
-        preempted += len(engine.step().scheduler_output.preempted_req_ids or ())
+        output = engine.step().scheduler_output
+        preempted += len(output.preempted_req_ids or ()) if output is not None else 0
+    engine.drain()
     if owner != "standalone":
         fields = ("decode_requests", "decode_kv_tokens", "decode_unique_kv_tokens", "decode_groups", "prefill_chunks")
         incremental = [{name: getattr(record, name) for name in fields} for record in scheduler.step_log.recent()]
@@ -168,6 +175,11 @@ def test_bench_scheduler_reports_every_side_against_vllm(capsys):
         if label != "vllm":
             assert side["feather_over_vllm_step_p50"] > 0 and side["feather_over_vllm_burst_round"] > 0
             assert side["policy_decisions"] > 0 and side["policy_fallbacks"] == 0
+            assert side["request_overhead_us"] == pytest.approx(side["admission_overhead_us"]
+                                                                + side["add_overhead_us"], abs=2e-3)
+            assert set(side["targets_met"]) >= {"request_overhead_10us", "burst_round_1_3x", "steady_step_1_05x"}
+            assert ("ring_over_off_step_p50" in side) == label.endswith("/ring")
+            assert ("ring_log_1_02x" in side["targets_met"]) == label.endswith("/ring")
 
 
 def test_version_parity_digests_repeat_and_compare_names_the_first_difference(tmp_path, capsys):

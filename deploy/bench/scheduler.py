@@ -17,8 +17,11 @@ its ``schedule()`` plus its ``update_from_output()``.
 Figures per side (keys carry their unit): ``step_us_p50/p99/max`` (steady state),
 ``burst_round_ms`` and ``burst_admissions``, ``admission_us_p50`` (burst steps: step time over
 the requests it admitted), ``add_us_p50``; against the reference run on the same workload and
-configuration, ``feather_over_vllm_step_p50``, ``feather_over_vllm_burst_round`` and
-``admission_overhead_us`` (the burst round's extra time per admission). ``bubble_<profile>``
+configuration, ``feather_over_vllm_step_p50``, ``feather_over_vllm_burst_round``,
+``admission_overhead_us`` (the burst round's extra time per admission), ``add_overhead_us`` (the extra
+``add_request`` time) and their sum ``request_overhead_us``; a ``ring`` side also has
+``ring_over_off_step_p50`` against the same policy's ``off`` side; ``targets_met`` checks
+:data:`TARGETS`. ``bubble_<profile>``
 divides the steady-state step p50 by the modelled step (:mod:`feather_gym.costmodel`) of the
 reference's median steady-state composition on that GPU profile. With ``repeats`` > 1 the
 sides run in rotated order each repeat and every figure is the median over repeats, the
@@ -50,6 +53,17 @@ PREFIX_GROUPS = ("prefix-groups:num_requests={n},groups={groups},prefix_tokens=1
 DEFAULT_WORKLOADS = {"prefix-groups": PREFIX_GROUPS}
 #: A burst round that has not filled the running set after this many steps ends (the queue ran dry).
 MAX_BURST_STEPS = 10_000
+#: The targets a Feather side is held to: name -> (figure, upper bound). Per request beyond vLLM's own
+#: work (the burst round's extra time per admission plus the extra ``add_request`` time), the burst
+#: round and the steady-state step against vLLM's, the ring step log against none, and the execution
+#: bubble on the H200 profile.
+TARGETS = {
+    "request_overhead_10us": ("request_overhead_us", 10.0),
+    "burst_round_1_3x": ("feather_over_vllm_burst_round", 1.3),
+    "steady_step_1_05x": ("feather_over_vllm_step_p50", 1.05),
+    "ring_log_1_02x": ("ring_over_off_step_p50", 1.02),
+    "bubble_h200_2pct": ("bubble_h200", 0.02),
+}
 
 
 @dataclass(frozen=True)
@@ -266,7 +280,12 @@ def _run_repeated(sides: dict, trace, config: SchedulerBenchConfig, repeats: int
         merged = _median_figures([r[label] for r in per_repeat])
         if label != REFERENCE:
             merged |= _ratios([(r[label], r[REFERENCE]) for r in per_repeat])
+        unlogged = label.rsplit("/", 1)[0] + "/off"
+        if label.endswith("/ring") and unlogged in labels:
+            merged |= _ratios([(r[label], r[unlogged]) for r in per_repeat], prefix="ring_over_off")
         merged |= _bubble(merged["step_us_p50"], compositions)
+        if label != REFERENCE:
+            merged["targets_met"] = targets_met(merged)
         out[label] = merged
     return out
 
@@ -280,38 +299,48 @@ def _median_figures(figures: list[dict]) -> dict:
     return out
 
 
-def _ratios(pairs: list[tuple[dict, dict]]) -> dict:
-    def ratio(key: str):
-        values = [side[key] / ref[key] for side, ref in pairs if side[key] and ref[key]]
-        return values
-
+def _ratios(pairs: list[tuple[dict, dict]], prefix: str = "feather_over_vllm") -> dict:
+    """Per-repeat ratios of ``side`` over ``reference`` (median, min, max), and per-request overheads."""
     out = {}
-    for name, key in (("feather_over_vllm_step_p50", "step_us_p50"),
-                      ("feather_over_vllm_burst_round", "burst_round_ms")):
-        values = ratio(key)
+    for name, key in ((f"{prefix}_step_p50", "step_us_p50"), (f"{prefix}_burst_round", "burst_round_ms")):
+        values = [side[key] / ref[key] for side, ref in pairs if side[key] and ref[key]]
         out[name] = round(float(np.median(values)), 4) if values else None
         out[f"{name}_min"] = round(min(values), 4) if values else None
         out[f"{name}_max"] = round(max(values), 4) if values else None
-    overhead = [(side["burst_round_ms"] - ref["burst_round_ms"]) * 1e3 / side["burst_admissions"]
-                for side, ref in pairs if side["burst_admissions"]]
-    out["admission_overhead_us"] = _round(np.median(overhead)) if overhead else None
+    if prefix == "feather_over_vllm":
+        overhead = [(side["burst_round_ms"] - ref["burst_round_ms"]) * 1e3 / side["burst_admissions"]
+                    for side, ref in pairs if side["burst_admissions"]]
+        out["admission_overhead_us"] = _round(np.median(overhead)) if overhead else None
+        out["add_overhead_us"] = _round(np.median([side["add_us_p50"] - ref["add_us_p50"] for side, ref in pairs]))
+        if out["admission_overhead_us"] is not None:
+            out["request_overhead_us"] = _round(out["admission_overhead_us"] + out["add_overhead_us"])
     return out
 
 
+def targets_met(side: dict) -> dict:
+    """Each target of :data:`TARGETS` that ``side`` reports a figure for: met or not."""
+    return {name: side[key] <= bound for name, (key, bound) in TARGETS.items() if side.get(key) is not None}
+
+
 def format_report(report: dict) -> str:
-    """The report as one table per workload and configuration."""
+    """The report as one table per workload and configuration, and the targets each side misses."""
     lines = []
     for result in report["results"]:
         lines.append(f"{result['workload']}: W={result['waiting']} block={result['block_size_tokens']} "
                      f"max_num_seqs={result['max_num_seqs']} pipelined={result['pipelined']}")
-        lines.append(f"  {'side':<24}{'step p50 us':>12}{'p99 us':>10}{'x vllm':>8}{'burst ms':>10}"
-                     f"{'x vllm':>8}{'adm us':>8}{'+us/adm':>9}{'add us':>8}{'bubble h200':>12}")
+        lines.append(f"  {'side':<22}{'step p50 us':>12}{'p99 us':>9}{'x vllm':>8}{'burst ms':>10}{'x vllm':>8}"
+                     f"{'+us/adm':>9}{'+us/add':>9}{'+us/req':>9}{'ring x':>8}{'bubble h200':>12}")
         for label, side in result["sides"].items():
-            lines.append(f"  {label:<24}{_cell(side['step_us_p50']):>12}{_cell(side['step_us_p99']):>10}"
+            lines.append(f"  {label:<22}{_cell(side['step_us_p50']):>12}{_cell(side['step_us_p99']):>9}"
                          f"{_cell(side.get('feather_over_vllm_step_p50')):>8}{_cell(side['burst_round_ms']):>10}"
                          f"{_cell(side.get('feather_over_vllm_burst_round')):>8}"
-                         f"{_cell(side['admission_us_p50']):>8}{_cell(side.get('admission_overhead_us')):>9}"
-                         f"{_cell(side['add_us_p50']):>8}{_cell(side.get('bubble_h200')):>12}")
+                         f"{_cell(side.get('admission_overhead_us')):>9}{_cell(side.get('add_overhead_us')):>9}"
+                         f"{_cell(side.get('request_overhead_us')):>9}{_cell(side.get('ring_over_off_step_p50')):>8}"
+                         f"{_cell(side.get('bubble_h200')):>12}")
+        for label, side in result["sides"].items():
+            missed = [name for name, met in side.get("targets_met", {}).items() if not met]
+            if missed:
+                lines.append(f"  {label} misses: {', '.join(missed)}")
     return "\n".join(lines)
 
 
