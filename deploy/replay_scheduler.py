@@ -32,6 +32,11 @@ of the older past is what it relies on.
 
 Configuration: ``additional_config["feather_replay"]``, keys of :class:`SuffixReplayConfig`
 (placement keys stay under ``feather_hybrid``).
+
+:class:`FeatherReplayScheduler` composes the Feather scheduler with this plug-in: its policy's
+view counts a shared block as resumable up to the deeper of the deepest kept state and the
+deepest anchored page (:meth:`SuffixReplayMixin.resumable_blocks`), the contract of the
+simulator's :meth:`~feather_gym.hybrid.state_keeping.StateKeeper.resumable`.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ from cache_core.hybrid.anchor_store import DTYPES, AnchorStore  # noqa: E402
 from deploy.hybrid_placement import HybridPlacementMixin  # noqa: E402
 from deploy.plugin_config import config_section  # noqa: E402
 from deploy.replay_layer import PLAN, Capture, layer_index, require_replay_platform  # noqa: E402
+from deploy.scheduler import FeatherSchedulingMixin  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -214,3 +220,12 @@ class SuffixReplayMixin:
 
 class SuffixReplayScheduler(SuffixReplayMixin, HybridPlacementMixin, Scheduler):
     """SuffixReplay with checkpoint placement on vLLM's synchronous scheduler (the CPU platform)."""
+
+
+class FeatherReplayScheduler(FeatherSchedulingMixin, SuffixReplayMixin, HybridPlacementMixin, Scheduler):
+    """The Feather scheduler on a hybrid engine with SuffixReplay and the placement plug-in: its
+    policy sees the shared blocks a hit can resume from a kept state or from anchors
+    (``additional_config`` keys ``feather``, ``feather_replay`` and ``feather_hybrid``)."""
+
+    def feather_stats(self) -> dict:
+        return {**FeatherSchedulingMixin.feather_stats(self), **SuffixReplayMixin.feather_stats(self)}

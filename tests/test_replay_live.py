@@ -145,3 +145,41 @@ def test_misconfigurations_are_refused_with_a_reason(llm):
             install_scheduler(llm, SuffixReplayScheduler, **replay_side())
     finally:
         compilation.mode = mode
+
+
+def family_trace(llm, *, families: int = 3, members: int = 4, seed: int = 3):
+    """``families`` x ``members`` prompts: a family shares its first page, then each prompt has a
+    tail of its own (so every hit is at page 1, where anchors of a whole page replay from the
+    sequence start, exactly). The first member of every family arrives at 0 s, the others
+    together at 0.5 s, when they wait in one queue for the admission's decisions."""
+    from traces import Request, Trace
+
+    rng = np.random.default_rng(seed)
+    block = block_size(llm)
+    shared = [rng.integers(100, 20000, size=block) for _ in range(families)]
+    requests = []
+    for i in range(families * members):
+        prompt = np.concatenate([shared[i % families], rng.integers(100, 20000, size=60 + 23 * i)])
+        requests.append(Request(str(i), 0.0 if i < families else 0.5, len(prompt), 8, token_ids=prompt))
+    return Trace("families", requests)
+
+
+@live
+def test_the_feather_scheduler_with_replay_serves_every_request_with_replay_hits(llm):
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from deploy.engine_rounds import run_round
+    from deploy.replay_scheduler import FeatherReplayScheduler
+    from deploy.scheduler import FeatherConfig
+
+    trace = family_trace(llm)
+    exact = run_round(llm, trace, Scheduler, label="vllm", round_index=0)
+    side = run_round(llm, trace, FeatherReplayScheduler, label="feather-replay", round_index=1,
+                     feather_config=FeatherConfig(policy="feather-rule"),
+                     **replay_side(replay_tokens=block_size(llm)))
+    stats = side.scheduler_stats
+    assert side.lost == 0 and exact.lost == 0 and side.finished == len(trace)
+    assert stats["admission"] == "PolicyAdmission" and stats["decisions"] > 0
+    assert stats["states_kept"] == 0 and stats["replay_hits"] == len(trace) - 3    # every later member, by replay
+    assert side.cached_tokens == stats["replay_hits"] * block_size(llm)
+    assert side.outputs == exact.outputs                                            # replayed from the start: exact

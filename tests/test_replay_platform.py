@@ -49,9 +49,9 @@ def test_the_layer_is_not_registered_on_such_a_platform():
 
 
 def test_the_scheduler_refuses_before_building_anything():
-    from deploy.replay_scheduler import SuffixReplayScheduler
+    from deploy.replay_scheduler import FeatherReplayScheduler, SuffixReplayScheduler
 
-    for cls in (SuffixReplayScheduler,):
+    for cls in (SuffixReplayScheduler, FeatherReplayScheduler):
         with pytest.raises(NotImplementedError, match=REFUSAL):
             cls(vllm_config=None, kv_cache_config=None, structured_output_manager=None, block_size=16,
                 platform=CUDA)
