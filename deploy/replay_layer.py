@@ -17,7 +17,9 @@ In one forward, each :class:`ReplayGDN` layer, before its own computation:
 
 * **captures**: copies the rows of its input hidden states (post ``input_layernorm``, the same
   definition as :mod:`feather_gym.hybrid.suffix_replay`) that the plan marks as anchors of a page
-  boundary, into :attr:`ReplayPlan.captured`;
+  boundary, into :attr:`ReplayPlan.captured`, and with :attr:`ReplayPlan.measure_memory` its gate
+  memory over those rows (:meth:`ReplayGDN.gate_memory`), from which the scheduler splits the
+  page's replay budget between layers;
 * **rebuilds**: for each planned slot, runs *its own* ``forward_cpu`` (the same module, through
   vLLM's CPU GDN kernels) over the boundary's anchors with a one-request prefill metadata
   whose ``has_initial_state`` is False: the kernel zeroes the slot, then leaves the state after
@@ -46,6 +48,7 @@ from dataclasses import dataclass, field
 import torch
 
 from deploy.vllm_compat import require_supported_vllm
+from feather_gym.hybrid.suffix_replay import gate_memory_tokens, gdn_log_decay
 
 require_supported_vllm()  # before touching vLLM internals
 
@@ -74,15 +77,19 @@ class ReplayPlan:
     ``rebuilds``: running-state slot -> ``{GDN layer index: anchors [R, hidden]}``;
     ``captures``: running-state slot -> the :class:`Capture` of that request's chunk;
     ``captured``: page key -> ``{GDN layer index: anchors}``, filled by the layers (each capture
-    planned in one step is complete after that step's forward); ``rows``: anchors per page.
+    planned in one step is complete after that step's forward); ``rows``: anchors captured per
+    layer and page; with ``measure_memory``, ``memory``: page key -> ``{GDN layer index: gate
+    memory in tokens over the captured rows}``.
     ``layers`` records every :class:`ReplayGDN` built in this process (prefix -> GDN layer index);
     ``rebuilt_states`` and ``rebuild_s`` count the (layer, slot) states rebuilt and their wall time.
     """
 
     rows: int = 0
+    measure_memory: bool = False
     rebuilds: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)
     captures: dict[int, list[Capture]] = field(default_factory=dict)
     captured: dict[object, dict[int, torch.Tensor]] = field(default_factory=dict)
+    memory: dict[object, dict[int, float]] = field(default_factory=dict)
     layers: dict[str, int] = field(default_factory=dict)
     rebuilt_states: int = 0
     rebuild_s: float = 0.0
@@ -95,9 +102,10 @@ class ReplayPlan:
         """Forget this step's work (``captured`` stays until the scheduler takes it)."""
         self.rebuilds, self.captures = {}, {}
 
-    def take_captured(self) -> dict[object, dict[int, torch.Tensor]]:
-        captured, self.captured = self.captured, {}
-        return captured
+    def take_captured(self) -> tuple[dict[object, dict[int, torch.Tensor]], dict[object, dict[int, float]]]:
+        """The anchors captured since the last call, and their layers' gate memory (empty unless measured)."""
+        captured, memory, self.captured, self.memory = self.captured, self.memory, {}, {}
+        return captured, memory
 
 
 #: The one plan of this process (see the module docstring).
@@ -158,6 +166,8 @@ class ReplayGDN(QwenGatedDeltaNetAttention):
                 first = starts[i] + capture.row_offset
                 anchors = hidden_states[first: first + PLAN.rows].clone()
                 PLAN.captured.setdefault(capture.key, {})[self.gdn_layer] = anchors
+                if PLAN.measure_memory:
+                    PLAN.memory.setdefault(capture.key, {})[self.gdn_layer] = self.gate_memory(anchors)
             anchors = PLAN.rebuilds.get(slot, {}).get(self.gdn_layer)
             if anchors is not None:
                 started = time.perf_counter()
@@ -165,6 +175,22 @@ class ReplayGDN(QwenGatedDeltaNetAttention):
                     super().forward_cpu(anchors.to(hidden_states.dtype))
                 PLAN.rebuild_s += time.perf_counter() - started
                 PLAN.rebuilt_states += 1
+
+    def gate_memory(self, rows: torch.Tensor) -> float:
+        """This layer's gate memory (:func:`~feather_gym.hybrid.suffix_replay.gate_memory_tokens`,
+        in tokens) over ``rows`` of its input, through its own ``in_proj_ba``, ``A_log`` and ``dt_bias``."""
+        ba, _ = self.in_proj_ba(rows)
+        return gate_memory_tokens(gdn_log_decay(self.gate_input(ba), self.A_log, self.dt_bias))
+
+    def gate_input(self, ba: torch.Tensor) -> torch.Tensor:
+        """The gate input ``a`` ``[tokens, heads]`` in ``in_proj_ba``'s output, unpacked as vLLM's
+        ``forward_cpu`` unpacks it (``fix_query_key_value_ordering`` for Qwen3-Next's interleaved
+        layout: per key-head group ``b`` then ``a``; else ``b`` and ``a`` halves)."""
+        if not self.gqa_interleaved_layout:
+            return ba.chunk(2, dim=-1)[1]
+        per_group = self.num_v_heads // self.num_k_heads
+        grouped = ba.view(ba.size(0), self.num_k_heads // self.tp_size, 2 * per_group)
+        return grouped[..., per_group:].reshape(ba.size(0), self.num_v_heads // self.tp_size)
 
 
 def require_replay_platform(platform=None) -> None:

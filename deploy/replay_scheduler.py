@@ -4,10 +4,19 @@ vLLM (0.32, 0.33) resumes a hybrid model's prefix hit at the deepest block bound
 state it kept (``B_state``), even when attention KV matched further (``B_kv``); everything in
 between is recomputed. With this plug-in a hit resumes at the deepest boundary ``B`` in
 ``(B_state, B_kv]`` whose anchors are kept, and each GDN layer rebuilds its state there by
-replaying its anchors (:mod:`deploy.replay_layer`). Anchors are the last ``replay_tokens``
-input hidden states of every GDN layer before each prompt page boundary, recorded while the
-prompt is prefilled, kept in a byte-budgeted LRU :class:`~cache_core.hybrid.anchor_store.AnchorStore`
+replaying its anchors (:mod:`deploy.replay_layer`). Anchors are the last ``R_l`` input hidden
+states of every GDN layer ``l`` before each prompt page boundary, recorded while the prompt is
+prefilled, kept in a byte-budgeted LRU :class:`~cache_core.hybrid.anchor_store.AnchorStore`
 keyed by vLLM's own chained block hash of the page ending at the boundary.
+
+How many (``replay_split``): ``"uniform"``, ``R_l = replay_tokens`` on every layer;
+``"gate_memory"`` (token-wise sparsity), each page's budget of ``replay_tokens x GDN layers``
+anchors is split between the layers by their gate memory measured on that page's inputs (the
+layer's own gate over the page's last ``block`` inputs, :meth:`~deploy.replay_layer.ReplayGDN.gate_memory`),
+as :func:`~feather_gym.hybrid.suffix_replay.allocate_replay_tokens` splits it at model level:
+``min(conv kernel, replay_tokens) <= R_l <= block``, ``sum_l R_l`` = the budget. A page's
+anchors cost the same bytes either way, counted per layer (``feather_stats()["anchor_bytes_by_layer"]``,
+the ``feather:anchor_bytes{layer}`` gauge).
 
 How the hit is reported to vLLM (``_get_local_prefix_cache_hit``; no vLLM source is changed):
 the attention groups get their cached blocks up to ``B``; every GDN group gets a row of
@@ -58,27 +67,33 @@ from deploy.hybrid_placement import HybridPlacementMixin  # noqa: E402
 from deploy.plugin_config import config_section  # noqa: E402
 from deploy.replay_layer import PLAN, Capture, layer_index, require_replay_platform  # noqa: E402
 from deploy.scheduler import FeatherSchedulingMixin  # noqa: E402
+from feather_gym.hybrid.suffix_replay import allocate_replay_tokens  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
 #: The ``additional_config`` key holding :class:`SuffixReplayConfig` fields.
 ADDITIONAL_CONFIG_KEY = "feather_replay"
+REPLAY_SPLITS = ("uniform", "gate_memory")
 
 
 @dataclass(frozen=True)
 class SuffixReplayConfig:
-    """``replay_tokens`` anchors per GDN layer and page (``R``, at most the block size),
+    """``replay_tokens`` anchors per GDN layer and page (``R``, at most the block size; with
+    ``replay_split="gate_memory"`` their mean, split between layers per page by gate memory),
     ``anchor_budget_bytes`` for all anchors together, stored as ``anchor_dtype``."""
 
     replay_tokens: int = 64
     anchor_budget_bytes: int = 64 * 2**20
     anchor_dtype: str = "bfloat16"
+    replay_split: str = "uniform"
 
     def __post_init__(self) -> None:
         if self.replay_tokens < 1:
             raise ValueError(f"feather_replay.replay_tokens must be >= 1, got {self.replay_tokens}")
         if self.anchor_dtype not in DTYPES:
             raise ValueError(f"feather_replay.anchor_dtype must be one of {sorted(DTYPES)}, got {self.anchor_dtype!r}")
+        if self.replay_split not in REPLAY_SPLITS:
+            raise ValueError(f"feather_replay.replay_split must be one of {REPLAY_SPLITS}, got {self.replay_split!r}")
 
     @classmethod
     def from_additional_config(cls, additional_config: Mapping | None) -> SuffixReplayConfig:
@@ -112,11 +127,15 @@ class SuffixReplayMixin:
                              "vLLM's: call deploy.replay_layer.register_replay_layer() before the engine starts (the "
                              "server: --worker-extension-cls deploy.replay_worker.ReplayWorkerExtension) and run "
                              "the model in the scheduler's process (VLLM_ENABLE_V1_MULTIPROCESSING=0)")
-        hidden = self.vllm_config.model_config.get_hidden_size()
-        self.anchors = AnchorStore(config.anchor_budget_bytes, hidden_size=hidden,
+        model_config = self.vllm_config.model_config
+        split = config.replay_split == "gate_memory"
+        self.anchors = AnchorStore(config.anchor_budget_bytes, hidden_size=model_config.get_hidden_size(),
                                    replay_tokens={layer: config.replay_tokens for layer in gdn_layers},
-                                   page_tokens=block, dtype=config.anchor_dtype)
-        PLAN.rows = config.replay_tokens
+                                   page_tokens=block, dtype=config.anchor_dtype, split_rows=split)
+        #: The fewest anchors a layer gets when split: enough for an exact convolution state.
+        self.min_layer_replay_tokens = min(model_config.hf_config.linear_conv_kernel_dim, config.replay_tokens)
+        PLAN.rows = block if split else config.replay_tokens      # split: the page's rows, then each layer's tail
+        PLAN.measure_memory = split
         PLAN.clear_step()
         PLAN.take_captured()
         PLAN.rebuilt_states, PLAN.rebuild_s = 0, 0.0
@@ -165,7 +184,7 @@ class SuffixReplayMixin:
     def _plan(self, output) -> None:
         """This step's rebuilds and anchor captures, for :data:`~deploy.replay_layer.PLAN`."""
         PLAN.clear_step()
-        block, rows = self.block_size, self.replay_config.replay_tokens
+        block, rows = self.block_size, PLAN.rows
         for request_id, count in output.num_scheduled_tokens.items():
             request = self.requests[request_id]
             end = request.num_computed_tokens                   # vLLM has counted this step's tokens
@@ -188,12 +207,20 @@ class SuffixReplayMixin:
 
     def update_from_output(self, scheduler_output, model_runner_output):
         result = super().update_from_output(scheduler_output, model_runner_output)
-        for key, layers in PLAN.take_captured().items():
-            self.anchors.put(key, layers)
+        captured, memory = PLAN.take_captured()
+        for key, layers in captured.items():
+            self.anchors.put(key, self._split(layers, memory[key]) if memory else layers)
         PLAN.clear_step()
         self.metrics.replay(hits=self.replay_hits, rebuilt_states=PLAN.rebuilt_states, rebuild_s=PLAN.rebuild_s,
-                            anchor_bytes=self.anchors.used_bytes)
+                            anchor_layer_bytes=self.anchors.layer_bytes)
         return result
+
+    def _split(self, layers: dict, memory: dict[int, float]) -> dict:
+        """A page's anchors as stored with the gate-memory split: each layer's last ``R_l`` rows,
+        ``R_l`` from :func:`allocate_replay_tokens` of the page's budget by ``memory``."""
+        replay = allocate_replay_tokens(self.replay_config.replay_tokens * len(layers), memory,
+                                        minimum=self.min_layer_replay_tokens, maximum=PLAN.rows)
+        return {layer: anchors[-replay[layer]:] for layer, anchors in layers.items()}
 
     def shutdown(self) -> None:
         PLAN.clear_step()
@@ -210,7 +237,11 @@ class SuffixReplayMixin:
     def feather_stats(self) -> dict:
         """The placement plug-in's figures plus the anchors kept and the replay hits."""
         return {**super().feather_stats(), "replay_tokens": self.replay_config.replay_tokens,
+                "replay_split": self.replay_config.replay_split,
                 "anchors_kept": len(self.anchors), "anchor_bytes": self.anchors.used_bytes,
+                "anchor_bytes_by_layer": {str(layer): b for layer, b in self.anchors.layer_bytes.items()},
+                "replay_tokens_by_layer_mean": {str(layer): r
+                                                for layer, r in self.anchors.mean_replay_tokens().items()},
                 "anchor_budget_bytes": self.anchors.budget_bytes,
                 "anchor_bytes_per_page": self.anchors.entry_bytes, "anchor_evictions": self.anchors.evictions,
                 "replay_hits": self.replay_hits, "replay_tokens_resumed": self.replay_tokens_resumed,

@@ -183,3 +183,57 @@ def test_the_feather_scheduler_with_replay_serves_every_request_with_replay_hits
     assert stats["states_kept"] == 0 and stats["replay_hits"] == len(trace) - 3    # every later member, by replay
     assert side.cached_tokens == stats["replay_hits"] * block_size(llm)
     assert side.outputs == exact.outputs                                            # replayed from the start: exact
+
+
+def replay_layers(llm) -> list:
+    """The engine's :class:`~deploy.replay_layer.ReplayGDN` modules (the model runs in this process)."""
+    from deploy.replay_layer import ReplayGDN
+
+    model = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner.get_model()
+    return [module for module in model.modules() if isinstance(module, ReplayGDN)]
+
+
+def scheduler_gdn_layers(llm) -> list[int]:
+    """The GDN layer indices of the engine's model (its ReplayGDN layers)."""
+    from deploy.replay_layer import PLAN
+
+    return sorted(PLAN.layers.values())
+
+
+@live
+def test_a_layers_gate_input_is_the_one_vllms_forward_unpacks(llm):
+    import torch
+
+    layers = replay_layers(llm)
+    hidden = llm.llm_engine.vllm_config.model_config.get_hidden_size()
+    x = torch.randn(7, hidden, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    assert len(layers) == len(scheduler_gdn_layers(llm)) > 0
+    with torch.inference_mode():
+        for layer in layers:
+            (qkvz, _), (ba, _) = layer.in_proj_qkvz(x), layer.in_proj_ba(x)
+            *_, a = layer.fix_query_key_value_ordering(qkvz, ba)            # vLLM's own unpacking
+            assert torch.equal(layer.gate_input(ba), a)
+            assert 0 < layer.gate_memory(x) < float("inf")
+
+
+@live
+def test_replay_with_per_layer_budgets_serves_hits_within_the_same_bytes(llm):
+    from deploy.replay_scheduler import SuffixReplayScheduler
+
+    block = block_size(llm)
+    prompts = shared_prompts(llm, pages=2, seed=4)
+    scheduler, replayed = serve(llm, SuffixReplayScheduler, prompts,
+                                **replay_side(replay_tokens=16, replay_split="gate_memory"))
+    stats = scheduler.feather_stats()
+    layers = len(scheduler_gdn_layers(llm))
+    assert stats["replay_hits"] == 2 and [o.num_cached_tokens for o in replayed] == [0, 2 * block, 2 * block]
+    assert all(len(o.outputs[0].token_ids) == 8 for o in replayed)
+    assert stats["states_rebuilt"] == 2 * layers
+    hidden = llm.llm_engine.vllm_config.model_config.get_hidden_size()
+    assert stats["anchor_bytes_per_page"] == 16 * layers * hidden * 2             # uniform R = 16's bytes
+    assert stats["anchor_bytes"] == sum(stats["anchor_bytes_by_layer"].values()) \
+        == stats["anchors_kept"] * stats["anchor_bytes_per_page"]
+    means = stats["replay_tokens_by_layer_mean"]
+    assert sum(means.values()) == pytest.approx(16 * layers)
+    assert all(scheduler.min_layer_replay_tokens <= r <= block for r in means.values())
+    assert len(set(means.values())) > 1, means                # the layers' gates differ, so do their budgets

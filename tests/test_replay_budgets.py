@@ -1,0 +1,112 @@
+"""Per-layer replay budgets in the SuffixReplay scheduler, model-free (no layer runs): with
+``replay_split="gate_memory"`` the whole page is captured, and each page's budget of
+``replay_tokens x GDN layers`` anchors is split between the layers by the gate memory they
+measured on it; the store keeps each layer's last ``R_l`` rows and counts bytes per layer, as
+do the scheduler's stats and the ``feather:anchor_bytes{layer}`` gauge. The live counterpart is
+in ``test_replay_live.py``."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+BLOCK = 128
+
+
+@pytest.fixture
+def make_scheduler():
+    """``make(**replay)``: a model-free :class:`SuffixReplayScheduler` on the tiny hybrid's cache
+    layout (its GDN layers declared replayable for the duration), no exact state kept."""
+    from deploy.hybrid_placement import HybridPlacementConfig
+    from deploy.model_free import model_free_scheduler
+    from deploy.replay_layer import PLAN
+    from deploy.replay_scheduler import SuffixReplayConfig, SuffixReplayScheduler
+    from feather_gym.hybrid.model import ensure_hybrid_hf
+
+    layers = json.loads((ensure_hybrid_hf("tiny") / "config.json").read_text())["num_hidden_layers"]
+    saved, PLAN.layers = PLAN.layers, {f"model.layers.{i}.linear_attn": i for i in range(layers)}
+
+    def make(**replay):
+        return model_free_scheduler(
+            SuffixReplayScheduler, block_size=BLOCK, num_blocks=64, max_num_seqs=8, max_num_batched_tokens=4096,
+            max_model_len=4096, hybrid=True, enforce_eager=True, replay_config=SuffixReplayConfig(**replay),
+            hybrid_config=HybridPlacementConfig(placement="vllm", state_budget_bytes=0))
+
+    yield make
+    PLAN.layers = saved
+
+
+def planned_captures(scheduler, prompt_tokens: int) -> list[int]:
+    """The row offsets of the anchors the scheduler plans to capture while prefilling one prompt."""
+    from deploy.model_free import ModelFreeEngine, vllm_requests
+    from deploy.replay_layer import PLAN
+    from traces import Request, Trace
+
+    tokens = np.random.default_rng(0).integers(100, 20000, size=prompt_tokens)
+    offsets = []
+    engine = ModelFreeEngine(scheduler, on_schedule=lambda _: offsets.extend(
+        c.row_offset for captures in list(PLAN.captures.values())[:1] for c in captures))
+    engine.add_requests(vllm_requests(Trace("t", [Request("0", 0.0, prompt_tokens, 1, token_ids=tokens)]),
+                                      block_size=BLOCK))
+    engine.step()
+    return offsets
+
+
+def test_the_gate_memory_split_captures_whole_pages_and_uniform_its_tail(make_scheduler):
+    from deploy.replay_layer import PLAN
+
+    uniform = make_scheduler(replay_tokens=16)
+    assert (PLAN.rows, PLAN.measure_memory) == (16, False)
+    assert planned_captures(uniform, 300) == [BLOCK - 16, 2 * BLOCK - 16]
+    split = make_scheduler(replay_tokens=16, replay_split="gate_memory")
+    assert (PLAN.rows, PLAN.measure_memory) == (BLOCK, True)
+    assert planned_captures(split, 300) == [0, BLOCK]
+    assert split.anchors.entry_bytes == uniform.anchors.entry_bytes      # the same bytes per page
+
+
+def test_each_page_is_split_by_its_gate_memory_and_stored_with_exact_bytes_per_layer(make_scheduler):
+    from prometheus_client import REGISTRY
+
+    from deploy.model_free import ModelFreeEngine
+    from deploy.replay_layer import PLAN
+    from feather_gym.hybrid.suffix_replay import allocate_replay_tokens
+
+    scheduler = make_scheduler(replay_tokens=16, replay_split="gate_memory")
+    layers = sorted(scheduler.anchors.replay_tokens)
+    hidden = scheduler.anchors.hidden_size
+    assert scheduler.min_layer_replay_tokens == 4                       # the tiny model's conv kernel
+    pages = {b"long-last": [5.0, 50.0, 500.0], b"even": [30.0, 30.0, 30.0]}
+    captured = {key: {layer: torch.randn(BLOCK, hidden) for layer in layers} for key in pages}
+
+    def capture(_):                                                     # what the layers leave in the plan
+        PLAN.captured.update(captured)
+        PLAN.memory.update({key: dict(zip(layers, memory)) for key, memory in pages.items()})
+
+    ModelFreeEngine(scheduler, on_schedule=capture).step()
+    long_last = {layer: a.shape[0] for layer, a in scheduler.anchors.get(b"long-last").items()}
+    budget = 16 * len(layers)
+    assert long_last == allocate_replay_tokens(budget, dict(zip(layers, pages[b"long-last"])), minimum=4,
+                                               maximum=BLOCK)
+    assert list(long_last.values()) == sorted(long_last.values()) and long_last[layers[-1]] > 16
+    assert {a.shape[0] for a in scheduler.anchors.get(b"even").values()} == {16}
+    for layer, anchors in scheduler.anchors.get(b"long-last").items():      # each layer's last rows
+        assert torch.equal(anchors, captured[b"long-last"][layer][-long_last[layer]:].to(torch.bfloat16))
+    stats = scheduler.feather_stats()
+    row_bytes = hidden * 2
+    by_layer = {str(layer): (long_last[layer] + 16) * row_bytes for layer in layers}
+    assert stats["anchor_bytes_by_layer"] == by_layer and stats["replay_split"] == "gate_memory"
+    assert stats["anchor_bytes"] == sum(by_layer.values()) == 2 * budget * row_bytes
+    assert stats["anchor_bytes_per_page"] == budget * row_bytes
+    assert stats["replay_tokens_by_layer_mean"] == {str(layer): (long_last[layer] + 16) / 2 for layer in layers}
+    for layer in layers:
+        assert REGISTRY.get_sample_value("feather:anchor_bytes", {"layer": str(layer)}) == by_layer[str(layer)]
+
+
+def test_an_unknown_split_is_refused():
+    from deploy.replay_scheduler import SuffixReplayConfig
+
+    with pytest.raises(ValueError, match="replay_split must be one of"):
+        SuffixReplayConfig.from_additional_config({"feather_replay": {"replay_split": "decay"}})
