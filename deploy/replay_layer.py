@@ -17,7 +17,9 @@ In one forward, each :class:`ReplayGDN` layer, before its own computation:
 
 * **captures**: copies the rows of its input hidden states (post ``input_layernorm``, the same
   definition as :mod:`feather_gym.hybrid.suffix_replay`) that the plan marks as anchors of a page
-  boundary, into :attr:`ReplayPlan.captured`, and with :attr:`ReplayPlan.measure_memory` its gate
+  boundary, into :attr:`ReplayPlan.captured` once the boundary's window of anchors is complete
+  (a window that spans several steps, e.g. one reached while decoding, is assembled in
+  :attr:`ReplayPlan.pending` a chunk at a time), and with :attr:`ReplayPlan.measure_memory` its gate
   memory over those rows (:meth:`ReplayGDN.gate_memory`), from which the scheduler splits the
   page's replay budget between layers;
 * **rebuilds**: for each planned slot, runs *its own* ``forward_cpu`` (the same module, through
@@ -63,11 +65,16 @@ _LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
 
 @dataclass(frozen=True)
 class Capture:
-    """Copy the ``rows`` (:attr:`ReplayPlan.rows`) input rows from ``row_offset`` on (offsets
-    within the request's scheduled chunk) as the anchors of page boundary ``key``."""
+    """Copy ``count`` input rows from ``chunk_row`` on (offsets within the request's scheduled
+    chunk) into rows ``anchor_row ..`` of the anchors of ``window`` (the scheduler's id of one
+    page boundary of one request; :attr:`ReplayPlan.rows` rows in all). ``key`` set: these are its
+    last rows, and the anchors are complete, as those of the page ``key``."""
 
-    key: object
-    row_offset: int
+    window: object
+    chunk_row: int
+    count: int
+    anchor_row: int = 0
+    key: object = None
 
 
 @dataclass
@@ -75,11 +82,12 @@ class ReplayPlan:
     """What this step's forward does besides vLLM's work (written by the scheduler).
 
     ``rebuilds``: running-state slot -> ``{GDN layer index: anchors [R, hidden]}``;
-    ``captures``: running-state slot -> the :class:`Capture` of that request's chunk;
-    ``captured``: page key -> ``{GDN layer index: anchors}``, filled by the layers (each capture
-    planned in one step is complete after that step's forward); ``rows``: anchors captured per
-    layer and page; with ``measure_memory``, ``memory``: page key -> ``{GDN layer index: gate
-    memory in tokens over the captured rows}``.
+    ``captures``: running-state slot -> the :class:`Capture` list of that request's chunk;
+    ``captured``: page key -> ``{GDN layer index: anchors}``, filled by the layers (each window
+    completed in one step is there after that step's forward); ``pending``: window -> ``{GDN
+    layer index: anchors so far}`` of windows still incomplete (the scheduler drops a request's
+    when it leaves); ``rows``: anchors captured per layer and page; with ``measure_memory``,
+    ``memory``: page key -> ``{GDN layer index: gate memory in tokens over the captured rows}``.
     ``layers`` records every :class:`ReplayGDN` built in this process (prefix -> GDN layer index);
     ``rebuilt_states`` and ``rebuild_s`` count the (layer, slot) states rebuilt and their wall time.
     """
@@ -89,6 +97,7 @@ class ReplayPlan:
     rebuilds: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)
     captures: dict[int, list[Capture]] = field(default_factory=dict)
     captured: dict[object, dict[int, torch.Tensor]] = field(default_factory=dict)
+    pending: dict[object, dict[int, torch.Tensor]] = field(default_factory=dict)
     memory: dict[object, dict[int, float]] = field(default_factory=dict)
     layers: dict[str, int] = field(default_factory=dict)
     rebuilt_states: int = 0
@@ -163,11 +172,8 @@ class ReplayGDN(QwenGatedDeltaNetAttention):
         starts = metadata.non_spec_query_start_loc.tolist()
         for i, slot in enumerate(slots):
             for capture in PLAN.captures.get(slot, ()):
-                first = starts[i] + capture.row_offset
-                anchors = hidden_states[first: first + PLAN.rows].clone()
-                PLAN.captured.setdefault(capture.key, {})[self.gdn_layer] = anchors
-                if PLAN.measure_memory:
-                    PLAN.memory.setdefault(capture.key, {})[self.gdn_layer] = self.gate_memory(anchors)
+                first = starts[i] + capture.chunk_row
+                self._capture(capture, hidden_states[first: first + capture.count])
             anchors = PLAN.rebuilds.get(slot, {}).get(self.gdn_layer)
             if anchors is not None:
                 started = time.perf_counter()
@@ -175,6 +181,25 @@ class ReplayGDN(QwenGatedDeltaNetAttention):
                     super().forward_cpu(anchors.to(hidden_states.dtype))
                 PLAN.rebuild_s += time.perf_counter() - started
                 PLAN.rebuilt_states += 1
+
+    def _capture(self, capture: Capture, rows: torch.Tensor) -> None:
+        """Copy ``rows`` into the window's anchors; a complete window goes to :attr:`ReplayPlan.captured`."""
+        if capture.count == PLAN.rows:                      # the whole window in this chunk
+            anchors = rows.clone()
+        else:
+            partial = PLAN.pending.setdefault(capture.window, {})
+            anchors = partial.get(self.gdn_layer)
+            if anchors is None:
+                anchors = partial[self.gdn_layer] = rows.new_empty((PLAN.rows, rows.size(1)))
+            anchors[capture.anchor_row: capture.anchor_row + capture.count] = rows
+            if capture.key is None:
+                return
+            del partial[self.gdn_layer]
+            if not partial:
+                del PLAN.pending[capture.window]
+        PLAN.captured.setdefault(capture.key, {})[self.gdn_layer] = anchors
+        if PLAN.measure_memory:
+            PLAN.memory.setdefault(capture.key, {})[self.gdn_layer] = self.gate_memory(anchors)
 
     def gate_memory(self, rows: torch.Tensor) -> float:
         """This layer's gate memory (:func:`~feather_gym.hybrid.suffix_replay.gate_memory_tokens`,

@@ -7,7 +7,11 @@ between is recomputed. With this plug-in a hit resumes at the deepest boundary `
 replaying its anchors (:mod:`deploy.replay_layer`). Anchors are the last ``R_l`` input hidden
 states of every GDN layer ``l`` before each prompt page boundary, recorded while the prompt is
 prefilled, kept in a byte-budgeted LRU :class:`~cache_core.hybrid.anchor_store.AnchorStore`
-keyed by vLLM's own chained block hash of the page ending at the boundary.
+keyed by vLLM's own chained block hash of the page ending at the boundary. With
+``anchor_decode_pages`` the boundaries a request reaches while decoding are anchored too (their
+window of anchors is recorded one decode step at a time), so a later turn whose prompt extends
+into the generated text resumes there. A boundary is anchored only by a request that computed its
+whole window itself (not one that resumed from a hit inside it), and only if its page has none.
 
 How many (``replay_split``): ``"uniform"``, ``R_l = replay_tokens`` on every layer;
 ``"gate_memory"`` (token-wise sparsity), each page's budget of ``replay_tokens x GDN layers``
@@ -80,12 +84,15 @@ REPLAY_SPLITS = ("uniform", "gate_memory")
 class SuffixReplayConfig:
     """``replay_tokens`` anchors per GDN layer and page (``R``, at most the block size; with
     ``replay_split="gate_memory"`` their mean, split between layers per page by gate memory),
-    ``anchor_budget_bytes`` for all anchors together, stored as ``anchor_dtype``."""
+    ``anchor_budget_bytes`` for all anchors together, stored as ``anchor_dtype``;
+    ``anchor_decode_pages``: anchor the page boundaries reached while decoding as well as the
+    prompt's."""
 
     replay_tokens: int = 64
     anchor_budget_bytes: int = 64 * 2**20
     anchor_dtype: str = "bfloat16"
     replay_split: str = "uniform"
+    anchor_decode_pages: bool = False
 
     def __post_init__(self) -> None:
         if self.replay_tokens < 1:
@@ -136,10 +143,10 @@ class SuffixReplayMixin:
         self.min_layer_replay_tokens = min(model_config.hf_config.linear_conv_kernel_dim, config.replay_tokens)
         PLAN.rows = block if split else config.replay_tokens      # split: the page's rows, then each layer's tail
         PLAN.measure_memory = split
-        PLAN.clear_step()
-        PLAN.take_captured()
+        self._forget_plan()
         PLAN.rebuilt_states, PLAN.rebuild_s = 0, 0.0
         self._rebuild_at: dict[str, tuple[int, dict]] = {}      # request id -> (tokens gained, anchors), this step
+        self._computed: dict[str, tuple[int, int]] = {}        # request id -> [first, end) computed in one run
         self.replay_hits = 0
         self.replay_tokens_resumed = 0        # tokens a replay hit did not recompute beyond vLLM's state hit
 
@@ -184,14 +191,10 @@ class SuffixReplayMixin:
     def _plan(self, output) -> None:
         """This step's rebuilds and anchor captures, for :data:`~deploy.replay_layer.PLAN`."""
         PLAN.clear_step()
-        block, rows = self.block_size, PLAN.rows
         for request_id, count in output.num_scheduled_tokens.items():
             request = self.requests[request_id]
             end = request.num_computed_tokens                   # vLLM has counted this step's tokens
-            start = end - count
-            boundaries = range(cdiv(start + rows, block) * block, min(end, request.num_prompt_tokens) + 1, block)
-            captures = [Capture(key, row_offset=b - rows - start)
-                        for b in boundaries if (key := self._page_key(request, b)) not in self.anchors]
+            captures = self._captures(request, end - count, end)
             rebuild = self._rebuild_at.pop(request_id, None)
             if not captures and rebuild is None:
                 continue                                        # most steps: decodes, nothing to plan
@@ -204,6 +207,39 @@ class SuffixReplayMixin:
                 if captures:
                     PLAN.captures[slot] = captures
         self._rebuild_at.clear()                                # looked up but not scheduled: look up again
+
+    def _captures(self, request, start: int, end: int) -> list[Capture]:
+        """The rows of chunk ``[start, end)`` that belong to anchor windows ``[b - R, b)`` (``R`` =
+        :attr:`~deploy.replay_layer.ReplayPlan.rows`) of boundaries ``b`` this request computes
+        the whole window of, prompt boundaries only unless ``anchor_decode_pages``, skipping pages
+        already anchored (a decode page's key is known only once its last token is in)."""
+        request_id, block, rows = request.request_id, self.block_size, PLAN.rows
+        first, done = self._computed.get(request_id, (start, None))
+        if done != start:                         # its first chunk, or recomputing after a preemption
+            first = start
+            self._drop_pending(request_id)
+        self._computed[request_id] = (first, end)
+        last = end + rows - 1 if self.replay_config.anchor_decode_pages else min(end + rows - 1,
+                                                                                 request.num_prompt_tokens)
+        captures = []
+        for b in range(cdiv(max(start + 1, first + rows), block) * block, last + 1, block):
+            key = self._page_key(request, b) if b <= request.num_tokens else None
+            if key is not None and key in self.anchors:
+                continue
+            lo, hi = max(start, b - rows), min(end, b)
+            captures.append(Capture((request_id, b), chunk_row=lo - start, count=hi - lo, anchor_row=lo - b + rows,
+                                    key=key if hi == b else None))
+        return captures
+
+    def _drop_pending(self, request_id: str) -> None:
+        """Forget ``request_id``'s incomplete anchor windows."""
+        for window in [w for w in PLAN.pending if w[0] == request_id]:
+            del PLAN.pending[window]
+
+    def _free_request(self, request, delay_free_blocks: bool = False):
+        self._computed.pop(request.request_id, None)
+        self._drop_pending(request.request_id)
+        return super()._free_request(request, delay_free_blocks)
 
     def update_from_output(self, scheduler_output, model_runner_output):
         result = super().update_from_output(scheduler_output, model_runner_output)
@@ -222,9 +258,15 @@ class SuffixReplayMixin:
                                         minimum=self.min_layer_replay_tokens, maximum=PLAN.rows)
         return {layer: anchors[-replay[layer]:] for layer, anchors in layers.items()}
 
-    def shutdown(self) -> None:
+    @staticmethod
+    def _forget_plan() -> None:
+        """Drop whatever the plan holds of a scheduler's steps (its settings and counters stay)."""
         PLAN.clear_step()
         PLAN.take_captured()
+        PLAN.pending.clear()
+
+    def shutdown(self) -> None:
+        self._forget_plan()
         super().shutdown()
 
     def resumable_blocks(self, request, shared_blocks: int) -> int:

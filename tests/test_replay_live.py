@@ -237,3 +237,40 @@ def test_replay_with_per_layer_budgets_serves_hits_within_the_same_bytes(llm):
     assert sum(means.values()) == pytest.approx(16 * layers)
     assert all(scheduler.min_layer_replay_tokens <= r <= block for r in means.values())
     assert len(set(means.values())) > 1, means                # the layers' gates differ, so do their budgets
+
+
+@live
+def test_a_later_turn_resumes_on_a_page_the_first_turn_reached_while_decoding(llm):
+    from vllm import SamplingParams, TokensPrompt
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from deploy.engine_rounds import install_scheduler
+    from deploy.replay_layer import PLAN
+    from deploy.replay_scheduler import SuffixReplayScheduler
+
+    block = block_size(llm)
+    rng = np.random.default_rng(5)
+    first = rng.integers(100, 20000, size=block - 28).tolist()        # the first page ends in turn 1's output
+    tail = rng.integers(100, 20000, size=50).tolist()
+
+    def two_turns(scheduler_cls, **kwargs):
+        """Turn 1 decodes 60 tokens; turn 2 is turn 1's prompt, its output and a tail."""
+        scheduler = install_scheduler(llm, scheduler_cls, **kwargs)
+        turns = []
+        for prompt, tokens in ((first, 60), (None, 8)):
+            prompt = prompt or first + list(turns[0].outputs[0].token_ids) + tail
+            params = SamplingParams(max_tokens=tokens, temperature=0, logprobs=0, ignore_eos=True)
+            turns.append(llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0])
+        return scheduler, turns[1]
+
+    scheduler, decoded = two_turns(SuffixReplayScheduler, **replay_side(replay_tokens=block, anchor_decode_pages=True))
+    stats = scheduler.feather_stats()
+    assert decoded.num_cached_tokens == block and stats["replay_hits"] == 1 and stats["states_kept"] == 0
+    assert not PLAN.pending                                              # turn 1's unfinished window is gone
+    _, prompt_only = two_turns(SuffixReplayScheduler, **replay_side(replay_tokens=block))
+    assert prompt_only.num_cached_tokens == 0                            # no anchor on turn 1's only page
+    _, exact = two_turns(Scheduler)
+    # replayed from the sequence start, over anchors partly computed by decode steps (vLLM's decode
+    # kernels, not its prefill's): vLLM's greedy tokens, its logprobs to the last bits of bf16
+    assert decoded.outputs[0].token_ids == exact.outputs[0].token_ids
+    assert logprobs(decoded) == pytest.approx(logprobs(exact), abs=1e-3)

@@ -1,9 +1,15 @@
-"""Per-layer replay budgets in the SuffixReplay scheduler, model-free (no layer runs): with
-``replay_split="gate_memory"`` the whole page is captured, and each page's budget of
-``replay_tokens x GDN layers`` anchors is split between the layers by the gate memory they
-measured on it; the store keeps each layer's last ``R_l`` rows and counts bytes per layer, as
-do the scheduler's stats and the ``feather:anchor_bytes{layer}`` gauge. The live counterpart is
-in ``test_replay_live.py``."""
+"""The SuffixReplay scheduler's plan, model-free (no layer runs; what the layers would leave in the
+plan is put there by hand).
+
+* Capture windows: the anchors of boundary ``b`` are the rows ``[b - R, b)``; a window within one
+  chunk is one capture, one reached while decoding (``anchor_decode_pages``) is captured a row per
+  step, its page key given with its last row, and a request's incomplete windows go when it leaves.
+* Per-layer budgets: with ``replay_split="gate_memory"`` the whole page is captured, and each
+  page's budget of ``replay_tokens x GDN layers`` anchors is split between the layers by the gate
+  memory they measured on it; the store keeps each layer's last ``R_l`` rows and counts bytes per
+  layer, as do the scheduler's stats and the ``feather:anchor_bytes{layer}`` gauge.
+
+The live counterparts are in ``test_replay_live.py``."""
 
 from __future__ import annotations
 
@@ -39,20 +45,31 @@ def make_scheduler():
     PLAN.layers = saved
 
 
-def planned_captures(scheduler, prompt_tokens: int) -> list[int]:
-    """The row offsets of the anchors the scheduler plans to capture while prefilling one prompt."""
+def planned_captures(scheduler, prompt_tokens: int, output_tokens: int = 1, pending: bool = False) -> list[tuple]:
+    """``(step, boundary, chunk row, rows, anchor row, completes)`` of every capture the scheduler
+    plans while serving one prompt to its end; with ``pending``, each incomplete window is put in
+    the plan's ``pending`` as a layer would leave it (the last check: none is left behind)."""
     from deploy.model_free import ModelFreeEngine, vllm_requests
     from deploy.replay_layer import PLAN
     from traces import Request, Trace
 
     tokens = np.random.default_rng(0).integers(100, 20000, size=prompt_tokens)
-    offsets = []
-    engine = ModelFreeEngine(scheduler, on_schedule=lambda _: offsets.extend(
-        c.row_offset for captures in list(PLAN.captures.values())[:1] for c in captures))
-    engine.add_requests(vllm_requests(Trace("t", [Request("0", 0.0, prompt_tokens, 1, token_ids=tokens)]),
+    planned, steps = [], []
+
+    def record(_):
+        for c in next(iter(PLAN.captures.values()), ()):            # one request: every GDN slot has its list
+            planned.append((len(steps), c.window[1], c.chunk_row, c.count, c.anchor_row, c.key is not None))
+            if pending and c.key is None:
+                PLAN.pending.setdefault(c.window, {})[0] = torch.zeros(1)
+        steps.append(len(PLAN.pending))
+
+    engine = ModelFreeEngine(scheduler, on_schedule=record)
+    engine.add_requests(vllm_requests(Trace("t", [Request("0", 0.0, prompt_tokens, output_tokens, token_ids=tokens)]),
                                       block_size=BLOCK))
-    engine.step()
-    return offsets
+    while not engine.finished:
+        engine.step()
+    assert not PLAN.pending and (max(steps) > 0) == pending
+    return planned
 
 
 def test_the_gate_memory_split_captures_whole_pages_and_uniform_its_tail(make_scheduler):
@@ -60,10 +77,11 @@ def test_the_gate_memory_split_captures_whole_pages_and_uniform_its_tail(make_sc
 
     uniform = make_scheduler(replay_tokens=16)
     assert (PLAN.rows, PLAN.measure_memory) == (16, False)
-    assert planned_captures(uniform, 300) == [BLOCK - 16, 2 * BLOCK - 16]
+    assert planned_captures(uniform, 300) == [(0, BLOCK, BLOCK - 16, 16, 0, True),
+                                              (0, 2 * BLOCK, 2 * BLOCK - 16, 16, 0, True)]
     split = make_scheduler(replay_tokens=16, replay_split="gate_memory")
     assert (PLAN.rows, PLAN.measure_memory) == (BLOCK, True)
-    assert planned_captures(split, 300) == [0, BLOCK]
+    assert planned_captures(split, 300) == [(0, BLOCK, 0, BLOCK, 0, True), (0, 2 * BLOCK, BLOCK, BLOCK, 0, True)]
     assert split.anchors.entry_bytes == uniform.anchors.entry_bytes      # the same bytes per page
 
 
@@ -110,3 +128,16 @@ def test_an_unknown_split_is_refused():
 
     with pytest.raises(ValueError, match="replay_split must be one of"):
         SuffixReplayConfig.from_additional_config({"feather_replay": {"replay_split": "decay"}})
+
+
+def test_pages_reached_while_decoding_are_captured_a_row_per_step_once_enabled(make_scheduler):
+    # a 100-token prompt decoding 60 tokens passes boundary 128 at its 28th output token
+    assert planned_captures(make_scheduler(replay_tokens=16), 100, 60) == []               # prompt pages only
+    rows = planned_captures(make_scheduler(replay_tokens=16, anchor_decode_pages=True), 100, 60, pending=True)
+    # step s (from 1) feeds position 99 + s: rows 112..127 of the window [112, 128), the last one with the key
+    assert rows == [(p - 99, BLOCK, 0, 1, p - 112, p == 127) for p in range(112, 128)]
+    whole = planned_captures(make_scheduler(replay_tokens=BLOCK, anchor_decode_pages=True), 100, 60, pending=True)
+    # R = the block: the prefill holds the first 100 rows; then the next window starts at 128 (and the
+    # request ends at position 158 inside it: that window is dropped when it leaves)
+    assert whole == [(0, BLOCK, 0, 100, 0, False)] + [(p - 99, BLOCK, 0, 1, p, p == 127) for p in range(100, 128)] \
+        + [(p - 99, 2 * BLOCK, 0, 1, p - BLOCK, False) for p in range(128, 159)]
