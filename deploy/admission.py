@@ -109,7 +109,8 @@ class PolicyAdmission(Admission):
         self._resumable = resumable
         self._fcfs_this_step = False
         self._queue = None
-        #: When a list (the scheduler's step log is on): ``[observation, action]`` of each policy answer.
+        #: When a list (the scheduler's step log is on): ``[observation, action]`` of each policy answer
+        #: (the observation as the float32 array the policy read).
         self.decision_log: list | None = None
         #: When a list (the scheduler's metrics): the wall time of each policy decision, in ns.
         self.decision_latencies_ns: list[int] | None = None
@@ -139,6 +140,16 @@ class PolicyAdmission(Admission):
         # After rule 1 the FCFS head is the earliest-arrived waiting request (resumed ones lead).
         return self._queue.wait_steps(self._queue.front())
 
+    @property
+    def policy(self):
+        return self._policy
+
+    @policy.setter
+    def policy(self, policy) -> None:
+        """The policy (a hot swap sets it between steps); its ``k`` is read once here."""
+        self._policy = policy
+        self._num_candidates = getattr(policy, "num_candidates", DEFAULT_NUM_CANDIDATES)
+
     def context_tokens(self, request_id) -> int:
         return self._queue.waiting_request(request_id).num_tokens
 
@@ -154,23 +165,23 @@ class PolicyAdmission(Admission):
         if queue.is_resumed(head):
             self.stats.forced_resumed += 1
             return head
-        if self.oldest_wait_steps >= self.max_wait_steps:
+        if queue.wait_steps(head) >= self.max_wait_steps:
             self.stats.forced_wait += 1
             return head
         if self._fcfs_this_step:
             self.stats.fcfs_admissions += 1
             return head
-        num_running = self.num_running
+        num_running = self._num_running()
         if num_running >= self.max_num_seqs:
             return None
-        k = getattr(self.policy, "num_candidates", DEFAULT_NUM_CANDIDATES)
-        candidates = queue.candidates(k)
+        k = self._num_candidates
+        candidates = queue.candidate_ids(k)
         if num_running == 0:
             self.stats.forced_idle += 1
-            return candidates[0]
+            return queue.waiting_request(candidates[0])
         start = time.perf_counter_ns()
-        point = DecisionPoint(self, [c.request_id for c in candidates], queue.step, k)
-        point.raw_rows   # built outside the guard below: a bug here raises rather than falling back
+        point = DecisionPoint(self, candidates, queue.step, k)
+        point.read_view()   # outside the guard below: a bug here raises rather than falling back
         try:
             action = self.policy.decide(point)
             slot = point.slot(action)
@@ -185,10 +196,10 @@ class PolicyAdmission(Admission):
                 self.decision_latencies_ns.append(elapsed)
         self.stats.decisions += 1
         if self.decision_log is not None:
-            self.decision_log.append([point.observation.tolist(), int(action)])
+            self.decision_log.append([point.observation, action])
         if slot is not None:
             self.stats.adds += 1
-            return candidates[slot]
+            return queue.waiting_request(candidates[slot])
         self.stats.stops += 1
         return None
 

@@ -3,9 +3,9 @@
 :class:`CHTWaitingQueue` implements vLLM's ``RequestQueue`` (the interface the v1 scheduler
 uses for ``self.waiting``). It keeps every request the scheduler hands it in a
 :class:`cache_core.cht.tree.ChunkedHashTree`, fed with vLLM's own ``request.block_hashes`` (one
-digest per full KV block, already chained by vLLM;
-:func:`traces.chunk_hash.block_hash_digests` only reinterprets them as uint64, nothing is
-hashed twice). The tree's chunk size is vLLM's hash block size, so one block is one chunk.
+digest per full KV block, already chained by vLLM; ``add_block_hashes`` reads the first 8 bytes of
+each, as :func:`traces.chunk_hash.block_hash_digests` does, so nothing is hashed twice). The
+tree's chunk size is vLLM's hash block size, so one block is one chunk.
 
 vLLM's admission loop asks, per iteration: ``if not waiting: break``; ``waiting.peek_request()``;
 ... ``waiting.pop_request()``. While the scheduler holds the queue open for a step
@@ -38,8 +38,6 @@ from contextlib import contextmanager
 
 from vllm.v1.core.sched.request_queue import RequestQueue
 from vllm.v1.request import Request
-
-from traces.chunk_hash import block_hash_digests
 
 
 class CHTWaitingQueue(RequestQueue):
@@ -84,10 +82,10 @@ class CHTWaitingQueue(RequestQueue):
         """The CHT's best candidate: fewest chunks missing from the running set. O(log W)."""
         return self._fcfs[self.tree.find_best()]
 
-    def candidates(self, k: int) -> list[Request]:
-        """The CHT's ``k`` candidates (``tree.top_candidates``): the best request of each of its
-        ``k`` best prefix groups, ``best()`` first; fewer when fewer groups wait."""
-        return [self._fcfs[request_id] for request_id in self.tree.top_candidates(k)]
+    def candidate_ids(self, k: int) -> list[str]:
+        """The ids of the CHT's ``k`` candidates (``tree.top_candidates``): the best request of each
+        of its ``k`` best prefix groups, ``best()`` first; fewer when fewer groups wait."""
+        return self.tree.top_candidates(k)
 
     def waiting_request(self, request_id) -> Request:
         """The waiting request with ``request_id`` (KeyError if it is not waiting). O(1)."""
@@ -174,5 +172,4 @@ class CHTWaitingQueue(RequestQueue):
     def _enqueue(self, request: Request) -> None:
         self._leave_running(request)  # a preempted or resumable request leaves the running set
         self._fcfs[request.request_id] = request
-        chunk = self.tree.chunk_size
-        self.tree.add(request.request_id, block_hash_digests(request.block_hashes, chunk, chunk))
+        self.tree.add_block_hashes(request.request_id, request.block_hashes)

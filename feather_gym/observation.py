@@ -2,8 +2,10 @@
 
 One definition for every side of the simulator/engine boundary. A scheduler exposes its state
 through an :class:`AdmissionView` (the simulator implements it, and so does the vLLM scheduler
-in :mod:`deploy.admission`), and :func:`raw_features` turns a view and a candidate into the raw
-features below; :func:`normalise` scales them. Nothing else builds an observation.
+in :mod:`deploy.admission`), and :func:`raw_feature_rows` turns a view and its candidates into the
+raw features below; :func:`normalise` scales them. Nothing else builds an observation. Their
+arithmetic is compiled (``feather_gym/native/observation.cpp``, one pass over the candidates);
+this module holds the contract it computes.
 
 Features (raw unit -> normalised value ``clip((raw - offset) / scale, 0, OBS_CLIP)``):
 
@@ -67,6 +69,7 @@ from typing import Protocol
 import numpy as np
 
 from cache_core.cht.tree import ChunkedHashTree
+from feather_gym._observation import FeatureKernel
 
 OBS_VERSION = "feather-obs-4"
 
@@ -111,6 +114,9 @@ NUM_FEATURES = len(FEATURE_NAMES)
  _OLDEST_WAIT) = range(NUM_FEATURES)
 _OFFSET = np.array([OBS_NORMALIZATION[n][0] for n in FEATURE_NAMES], dtype=np.float32)
 _INV_SCALE = np.array([1.0 / OBS_NORMALIZATION[n][1] for n in FEATURE_NAMES], dtype=np.float32)
+#: The compiled arithmetic of the features above (``feather_gym/native/observation.cpp``: its column
+#: order is :data:`FEATURE_NAMES`, the tests check each column against its definition here).
+_KERNEL = FeatureKernel(_OFFSET, _INV_SCALE, OBS_CLIP)
 
 
 def check_num_candidates(k: int) -> int:
@@ -182,29 +188,26 @@ class AdmissionView(Protocol):
         ...
 
 
+def _kernel_inputs(view: AdmissionView, candidates) -> tuple:
+    """What :data:`_KERNEL` turns into features: the candidates' CHT statistics, their context
+    tokens and resumable blocks, the view's own figures (read once) and the block size."""
+    tree = view.tree
+    stats = tree.candidate_rows(candidates)
+    contexts = [view.context_tokens(candidate) for candidate in candidates]
+    resumable = [view.resumable_blocks(candidate, row[0]) for candidate, row in zip(candidates, stats.tolist())]
+    scalars = (view.num_running, tree.running_common_prefix * tree.chunk_size, view.kv_utilisation,
+               tree.num_waiting, view.oldest_wait_steps)
+    return stats, contexts, resumable, scalars, tree.chunk_size
+
+
 def raw_feature_rows(view: AdmissionView, candidates) -> np.ndarray:
     """The raw features (float64 ``[len(candidates), NUM_FEATURES]``, order :data:`FEATURE_NAMES`)
     of every candidate, in one pass: the view's own figures are read once, then each
-    candidate's CHT statistics.
+    candidate's CHT statistics (``tree.candidate_rows``).
 
     Every candidate must be waiting in ``view.tree``. O(k CHT ``candidate_stats``).
     """
-    tree = view.tree
-    block = tree.chunk_size
-    rows = np.empty((len(candidates), NUM_FEATURES), dtype=np.float64)
-    rows[:, _NUM_RUNNING] = view.num_running
-    rows[:, _COMMON_PREFIX] = tree.running_common_prefix * block
-    rows[:, _KV_UTILISATION] = view.kv_utilisation
-    rows[:, _NUM_WAITING] = tree.num_waiting
-    rows[:, _OLDEST_WAIT] = view.oldest_wait_steps
-    for row, candidate in zip(rows, candidates):
-        stats = tree.candidate_stats(candidate)
-        row[_CHUNK_LOSS] = stats.chunk_loss * block
-        row[_SAME_PREFIX] = stats.same_prefix_waiting
-        row[_CONTEXT] = view.context_tokens(candidate)
-        row[_RESUMABLE] = (view.resumable_blocks(candidate, stats.shared_chunks) / stats.num_chunks
-                           if stats.num_chunks else 0.0)
-    return rows
+    return _KERNEL.raw_rows(*_kernel_inputs(view, candidates), len(candidates))
 
 
 def raw_features(view: AdmissionView, candidate) -> np.ndarray:
@@ -216,12 +219,10 @@ def raw_features(view: AdmissionView, candidate) -> np.ndarray:
 def normalise(raw: np.ndarray) -> np.ndarray:
     """Normalise raw feature rows (shape ``[..., NUM_FEATURES]``, order :data:`FEATURE_NAMES`).
 
-    Returns a new float32 array of the same shape in ``[0, OBS_CLIP]``. O(size), vectorised.
+    Returns a new float32 array of the same shape in ``[0, OBS_CLIP]``, computed in float32
+    (the raw value rounded to float32 first). O(size), compiled.
     """
-    out = np.subtract(raw, _OFFSET, dtype=np.float32)
-    np.multiply(out, _INV_SCALE, out=out)
-    np.minimum(out, OBS_CLIP, out=out)
-    return np.maximum(out, 0.0, out=out)
+    return _KERNEL.normalise(raw)
 
 
 def observe(view: AdmissionView, candidate) -> np.ndarray:
@@ -236,11 +237,12 @@ class DecisionPoint:
     ``candidates`` (1..``num_candidates`` request ids, best first) fill the slots; ``candidate``
     is slot 0, and ``raw`` its features (what ADD/STOP policies read). ``raw_rows`` (``[k, F]``,
     empty slots zero), ``mask`` (``[k]`` bool, slot filled) and ``observation``
-    (:func:`observation_size` floats, see the module doc) are computed on first access only, so
-    a policy that reads none of them (always-ADD) costs no feature work.
+    (:func:`observation_size` floats, see the module doc) are computed on first access only, from
+    one read of the view, so a policy that reads none of them (always-ADD) costs no feature work.
+    The view must not change between the point's creation and those reads.
     """
 
-    __slots__ = ("view", "candidates", "num_candidates", "step", "batch_size", "_raw", "_rows", "_observation")
+    __slots__ = ("view", "candidates", "num_candidates", "step", "batch_size", "_inputs", "_rows", "_observation")
 
     def __init__(self, view: AdmissionView, candidates, step: int,
                  num_candidates: int = DEFAULT_NUM_CANDIDATES) -> None:
@@ -249,7 +251,7 @@ class DecisionPoint:
             raise ValueError(f"{len(self.candidates)} candidates for {num_candidates} slots (at least 1)")
         self.view, self.step, self.num_candidates = view, step, num_candidates
         self.batch_size = view.num_running
-        self._raw = self._rows = self._observation = None
+        self._inputs = self._rows = self._observation = None
 
     @property
     def candidate(self):
@@ -257,22 +259,18 @@ class DecisionPoint:
 
     @property
     def raw(self) -> np.ndarray:
-        if self._raw is None:
-            self._raw = raw_features(self.view, self.candidate)
-        return self._raw
+        return self.raw_rows[0]
+
+    def read_view(self) -> tuple:
+        """Read what the features need from the view (once; every feature is computed from this)."""
+        if self._inputs is None:
+            self._inputs = _kernel_inputs(self.view, self.candidates)
+        return self._inputs
 
     @property
     def raw_rows(self) -> np.ndarray:
         if self._rows is None:
-            rows = np.zeros((self.num_candidates, NUM_FEATURES))
-            if self._raw is None:
-                rows[:len(self.candidates)] = raw_feature_rows(self.view, self.candidates)
-                self._raw = rows[0].copy()
-            else:
-                rows[0] = self._raw
-                if len(self.candidates) > 1:
-                    rows[1:len(self.candidates)] = raw_feature_rows(self.view, self.candidates[1:])
-            self._rows = rows
+            self._rows = _KERNEL.raw_rows(*self.read_view(), self.num_candidates)
         return self._rows
 
     @property
@@ -282,11 +280,7 @@ class DecisionPoint:
     @property
     def observation(self) -> np.ndarray:
         if self._observation is None:
-            if self.num_candidates == 1:
-                self._observation = normalise(self.raw)
-            else:
-                self._observation = np.concatenate((normalise(self.raw_rows).ravel(),
-                                                    self.mask[1:].astype(np.float32)))
+            self._observation = _KERNEL.observation(*self.read_view(), self.num_candidates)
         return self._observation
 
     @property

@@ -8,10 +8,14 @@ one this code builds for its ``k`` (:func:`feather_gym.observation.observation_c
 Anything else is refused with :class:`PolicyLoadError` naming both versions, so a policy never
 sees numbers it was not trained on.
 
-Latency: one decision is one ``onnxruntime`` run on a ``[1, F]`` row. The session runs on a
-single thread with no thread pool (nothing spins on the serving cores) and through an
-``IOBinding`` to preallocated input/output buffers, so a decision copies F floats in, runs
-the graph and reads ``k + 1`` logits, without allocating.
+Latency. A policy file whose graph is a chain of dense layers (what :mod:`trainer.export` writes:
+``Gemm``, or ``MatMul`` then ``Add``, with ``Tanh`` or ``Relu`` between them) runs on the CPU in a
+compiled evaluator (:class:`feather_gym._dense.DenseNet`), with no runtime call in between: it is
+built from the file's weights and accepted only when its logits equal onnxruntime's within
+:data:`NATIVE_PARITY_ATOL` on random observations (``kernel == "native"``). Any other graph, a
+file that fails that check, or ``device="cuda"`` runs on onnxruntime (``kernel ==
+"onnxruntime"``): a single-threaded session with no thread pool (nothing spins on the serving
+cores), through an ``IOBinding`` to preallocated buffers. Either way a decision allocates nothing.
 """
 
 from __future__ import annotations
@@ -31,6 +35,14 @@ INPUT_NAME = "obs"
 OUTPUT_NAME = "action_logits"
 #: Execution providers by the ``device`` argument of :class:`OnnxPolicy`.
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
+#: Largest logit difference from onnxruntime at which the compiled evaluator serves a policy.
+NATIVE_PARITY_ATOL = 1e-4
+#: Random observations (uniform over the normalised range) that check it at load.
+NATIVE_PARITY_ROWS = 256
+#: Gemm attributes (with ONNX's defaults) of a plain dense layer: alpha = beta = 1, A not transposed.
+PLAIN_GEMM = (("alpha", 1.0), ("beta", 1.0), ("transA", 0))
+#: ONNX activations the compiled evaluator runs, by the name it knows them by.
+DENSE_ACTIVATIONS = {"Tanh": "tanh", "Relu": "relu"}
 
 
 class PolicyLoadError(ValueError):
@@ -97,6 +109,46 @@ def check_metadata(path: str | os.PathLike, metadata: dict[str, str]) -> int:
     return k
 
 
+def dense_layers(path: str | os.PathLike):
+    """``(weights, biases, activation)`` of a policy file that is a chain of dense layers from
+    ``obs`` to ``action_logits`` with one kind of activation between every two of them (see the
+    module docstring; weights ``[out, in]``), or ``None`` for any other graph, or where the
+    ``onnx`` package is missing."""
+    try:
+        import onnx
+        from onnx import numpy_helper
+    except ImportError:
+        return None
+    graph = onnx.load(str(path)).graph
+    constants = {tensor.name: numpy_helper.to_array(tensor) for tensor in graph.initializer}
+    steps, current, nodes = [], INPUT_NAME, list(graph.node)     # ("dense", weight, bias) or ("act", name)
+    while nodes:
+        node = nodes.pop(0)
+        attributes = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        if node.input[0] != current:
+            return None
+        plain_gemm = [attributes.get(name, default) for name, default in PLAIN_GEMM] == [1, 1, 0]
+        if node.op_type == "Gemm" and len(node.input) == 3 and set(node.input[1:]) <= constants.keys() and plain_gemm:
+            weight = constants[node.input[1]]
+            steps.append(("dense", weight if attributes.get("transB", 0) else weight.T, constants[node.input[2]]))
+        elif node.op_type == "MatMul" and node.input[1] in constants and nodes and nodes[0].op_type == "Add" \
+                and nodes[0].input[0] == node.output[0] and nodes[0].input[1] in constants:
+            add = nodes.pop(0)
+            steps.append(("dense", constants[node.input[1]].T, constants[add.input[1]]))
+            node = add
+        elif node.op_type in DENSE_ACTIVATIONS:
+            steps.append(("act", DENSE_ACTIVATIONS[node.op_type]))
+        else:
+            return None
+        current = node.output[0]
+    kinds = [step[0] for step in steps]
+    activations = {step[1] for step in steps if step[0] == "act"}
+    if current != OUTPUT_NAME or kinds != ["dense", "act"] * (len(kinds) // 2) + ["dense"] or len(activations) > 1:
+        return None
+    dense = [step for step in steps if step[0] == "dense"]
+    return [w for _, w, _ in dense], [b for _, _, b in dense], activations.pop() if activations else "tanh"
+
+
 class OnnxPolicy:
     """A validated Feather ONNX policy over ``num_candidates`` = ``k`` slots: ``act(obs)`` is the
     greedy action (0 STOP, ``i`` admit slot ``i - 1``), ``decide(obs)`` whether it admits at all.
@@ -143,7 +195,29 @@ class OnnxPolicy:
         self._binding.bind_cpu_input(INPUT_NAME, self._obs)
         self._binding.bind_output(OUTPUT_NAME, "cpu", element_type=np.float32,
                                   shape=self._logits.shape, buffer_ptr=self._logits.ctypes.data)
-        self._session.run_with_iobinding(self._binding)  # warm-up: the first run initialises lazily (~0.1 ms)
+        self._session.run_with_iobinding(self._binding)  # warm-up: the first run initialises lazily
+        self._native = self._native_network() if device == "cpu" else None
+        self.kernel = "onnxruntime" if self._native is None else "native"
+
+    def _native_network(self):
+        """The compiled evaluator of this file's network when it is a dense chain that matches
+        onnxruntime on :data:`NATIVE_PARITY_ROWS` random observations; None otherwise (logged)."""
+        from feather_gym._dense import DenseNet
+        from feather_gym.observation import OBS_CLIP
+
+        layers = dense_layers(self.path)
+        if layers is None:
+            logger.info("policy %s: not a dense chain the compiled evaluator runs; serving on onnxruntime", self.path)
+            return None
+        network = DenseNet(*layers)
+        rows = np.random.default_rng(0).uniform(0.0, OBS_CLIP, (NATIVE_PARITY_ROWS, self.num_features))
+        rows = rows.astype(np.float32)
+        if network.num_inputs != self.num_features or not np.allclose(
+                network.outputs(rows), self.logits(rows), rtol=0.0, atol=NATIVE_PARITY_ATOL, equal_nan=True):
+            logger.warning("policy %s: the compiled evaluator disagrees with onnxruntime; serving on onnxruntime",
+                           self.path)
+            return None
+        return network
 
     def _check_signature(self) -> None:
         inputs, outputs = self._session.get_inputs(), self._session.get_outputs()
@@ -166,6 +240,12 @@ class OnnxPolicy:
         the lowest action on ties (so STOP on a tie, as ``k = 1`` policies always did). Raises
         :class:`PolicyOutputError` when a logit is NaN or infinite. O(network size); no allocation.
         """
+        if self._native is not None:
+            action = self._native.act(obs)
+            if action < 0:
+                raise PolicyOutputError(f"policy {self.path} returned non-finite logits "
+                                        f"{self._native.outputs(obs.reshape(1, -1))[0].tolist()}")
+            return action
         self._obs[0] = obs
         self._session.run_with_iobinding(self._binding)
         logits = self._logits[0]

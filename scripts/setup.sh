@@ -3,6 +3,7 @@
 # serving stack. Re-running it does nothing unless pyproject.toml or this script changed.
 #   EXTRAS  which extras to install (default: cpu,train,test; on a CUDA machine: cuda,train,test)
 # The exact versions come from constraints/cpu.txt or constraints/cuda.txt (pyproject.toml holds ranges).
+# The editable install compiles the C++ extensions (setup.py) in place, so a C++ compiler is needed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3.11}
@@ -12,7 +13,9 @@ case ",$EXTRAS," in *,cpu,*) case ",$EXTRAS," in *,cuda,*)
 case ",$EXTRAS," in *,cuda,*) STACK=cuda;; *) STACK=cpu;; esac
 
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
-stamp=".venv/.setup-$(cat pyproject.toml scripts/setup.sh constraints/*.txt | sha1sum | cut -c1-12)-${EXTRAS//,/_}"
+# The stamp covers what the install builds from: the metadata, this script, the constraints, the compiled sources.
+stamp=".venv/.setup-$(cat pyproject.toml setup.py scripts/setup.sh constraints/*.txt cache_core/cht/native/*.cpp \
+  feather_gym/native/*.cpp | sha1sum | cut -c1-12)-${EXTRAS//,/_}"
 if [ ! -f "$stamp" ]; then
   start=$(date +%s)
   .venv/bin/pip install --quiet --upgrade pip

@@ -199,11 +199,12 @@ def test_misuse_is_a_clear_error_and_changes_nothing(action, setup, message):
 def test_digests_must_be_a_chain_of_integers():
     cht = ChunkedHashTree(chunk_size=1)
     cht.add("a", np.array([5, 6], dtype=np.uint64))
+    cht.add("x", np.array([5, 8], dtype=np.uint64))         # the trie branches after 5: 6 starts a run at depth 2
     with pytest.raises(ValueError, match="chained"):
-        cht.add("b", np.array([6, 7], dtype=np.uint64))     # 6 was seen at depth 2
+        cht.add("b", np.array([6, 7], dtype=np.uint64))     # 6 is held at depth 2, not 1
     with pytest.raises(ValueError, match="1-D integer"):
         cht.add("c", np.array([[1, 2]]))
-    assert cht.num_waiting == 1 and not cht.is_waiting("b")
+    assert cht.num_waiting == 2 and not cht.is_waiting("b")
 
 
 def test_lpm_baseline_matches_longest_common_prefix():

