@@ -85,8 +85,8 @@ class ReplayPlan:
     ``captures``: running-state slot -> the :class:`Capture` list of that request's chunk;
     ``captured``: page key -> ``{GDN layer index: anchors}``, filled by the layers (each window
     completed in one step is there after that step's forward); ``pending``: window -> ``{GDN
-    layer index: anchors so far}`` of windows still incomplete (the scheduler drops a request's
-    when it leaves); ``rows``: anchors captured per layer and page; with ``measure_memory``,
+    layer index: (anchors, rows filled)}`` of windows still incomplete (the scheduler drops a
+    request's when it leaves); ``rows``: anchors captured per layer and page; with ``measure_memory``,
     ``memory``: page key -> ``{GDN layer index: gate memory in tokens over the captured rows}``.
     ``layers`` records every :class:`ReplayGDN` built in this process (prefix -> GDN layer index);
     ``rebuilt_states`` and ``rebuild_s`` count the (layer, slot) states rebuilt and their wall time.
@@ -97,7 +97,7 @@ class ReplayPlan:
     rebuilds: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)
     captures: dict[int, list[Capture]] = field(default_factory=dict)
     captured: dict[object, dict[int, torch.Tensor]] = field(default_factory=dict)
-    pending: dict[object, dict[int, torch.Tensor]] = field(default_factory=dict)
+    pending: dict[object, dict[int, tuple[torch.Tensor, int]]] = field(default_factory=dict)
     memory: dict[object, dict[int, float]] = field(default_factory=dict)
     layers: dict[str, int] = field(default_factory=dict)
     rebuilt_states: int = 0
@@ -183,18 +183,24 @@ class ReplayGDN(QwenGatedDeltaNetAttention):
                 PLAN.rebuilt_states += 1
 
     def _capture(self, capture: Capture, rows: torch.Tensor) -> None:
-        """Copy ``rows`` into the window's anchors; a complete window goes to :attr:`ReplayPlan.captured`."""
+        """Copy ``rows`` into the window's anchors; a complete window goes to :attr:`ReplayPlan.captured`.
+        A window whose rows do not arrive in order from its first (a part this layer never saw) is
+        dropped, never completed with rows missing."""
         if capture.count == PLAN.rows:                      # the whole window in this chunk
             anchors = rows.clone()
         else:
             partial = PLAN.pending.setdefault(capture.window, {})
-            anchors = partial.get(self.gdn_layer)
-            if anchors is None:
-                anchors = partial[self.gdn_layer] = rows.new_empty((PLAN.rows, rows.size(1)))
-            anchors[capture.anchor_row: capture.anchor_row + capture.count] = rows
-            if capture.key is None:
+            anchors, filled = partial.pop(self.gdn_layer, (None, 0))
+            if filled != capture.anchor_row:
+                if not partial:
+                    del PLAN.pending[capture.window]
                 return
-            del partial[self.gdn_layer]
+            if anchors is None:
+                anchors = rows.new_empty((PLAN.rows, rows.size(1)))
+            anchors[filled: filled + capture.count] = rows
+            if capture.key is None:
+                partial[self.gdn_layer] = (anchors, filled + capture.count)
+                return
             if not partial:
                 del PLAN.pending[capture.window]
         PLAN.captured.setdefault(capture.key, {})[self.gdn_layer] = anchors

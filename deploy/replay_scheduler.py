@@ -245,7 +245,8 @@ class SuffixReplayMixin:
         result = super().update_from_output(scheduler_output, model_runner_output)
         captured, memory = PLAN.take_captured()
         for key, layers in captured.items():
-            self.anchors.put(key, self._split(layers, memory[key]) if memory else layers)
+            if len(layers) == len(self.anchors.replay_tokens):        # a layer that dropped its window: none
+                self.anchors.put(key, self._split(layers, memory[key]) if memory else layers)
         PLAN.clear_step()
         self.metrics.replay(hits=self.replay_hits, rebuilt_states=PLAN.rebuilt_states, rebuild_s=PLAN.rebuild_s,
                             anchor_layer_bytes=self.anchors.layer_bytes)

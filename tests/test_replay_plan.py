@@ -60,7 +60,7 @@ def planned_captures(scheduler, prompt_tokens: int, output_tokens: int = 1, pend
         for c in next(iter(PLAN.captures.values()), ()):            # one request: every GDN slot has its list
             planned.append((len(steps), c.window[1], c.chunk_row, c.count, c.anchor_row, c.key is not None))
             if pending and c.key is None:
-                PLAN.pending.setdefault(c.window, {})[0] = torch.zeros(1)
+                PLAN.pending.setdefault(c.window, {})[0] = (torch.zeros(1), 0)
         steps.append(len(PLAN.pending))
 
     engine = ModelFreeEngine(scheduler, on_schedule=record)
@@ -141,3 +141,24 @@ def test_pages_reached_while_decoding_are_captured_a_row_per_step_once_enabled(m
     # request ends at position 158 inside it: that window is dropped when it leaves)
     assert whole == [(0, BLOCK, 0, 100, 0, False)] + [(p - 99, BLOCK, 0, 1, p, p == 127) for p in range(100, 128)] \
         + [(p - 99, 2 * BLOCK, 0, 1, p - BLOCK, False) for p in range(128, 159)]
+
+
+def test_a_layer_assembles_a_window_in_order_and_drops_one_it_saw_only_part_of():
+    """``ReplayGDN._capture`` with a stand-in layer (index 0): the window's rows arrive over steps."""
+    from types import SimpleNamespace
+
+    from deploy.replay_layer import PLAN, Capture, ReplayGDN
+
+    layer, saved = SimpleNamespace(gdn_layer=0), (PLAN.rows, PLAN.measure_memory)
+    PLAN.rows, PLAN.measure_memory = 4, False
+    try:
+        rows = torch.arange(8.0).reshape(4, 2)
+        ReplayGDN._capture(layer, Capture("w", 0, 3, 0), rows[:3])
+        assert not PLAN.captured and PLAN.pending["w"][0][1] == 3
+        ReplayGDN._capture(layer, Capture("w", 0, 1, 3, key="page"), rows[3:])
+        captured, _ = PLAN.take_captured()
+        assert torch.equal(captured["page"][0], rows) and not PLAN.pending
+        ReplayGDN._capture(layer, Capture("v", 0, 2, 2, key="late"), rows[2:])       # its first rows never seen
+        assert PLAN.take_captured() == ({}, {}) and not PLAN.pending
+    finally:
+        PLAN.rows, PLAN.measure_memory = saved
