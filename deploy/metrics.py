@@ -13,7 +13,7 @@ metric                                      type       meaning
 ``feather:rebuilt_states_total``            counter    (layer, request) recurrent states rebuilt by replay
 ``feather:waiting_requests``                gauge      requests in the Feather waiting queue
 ``feather:cht_prefixes``                    gauge      prefixes indexed by the Chunked Hash Tree
-``feather:anchor_bytes``                    gauge      bytes of SuffixReplay anchors kept
+``feather:anchor_bytes{layer}``             gauge      bytes of SuffixReplay anchors kept, per GDN layer
 ``feather:kept_state_bytes``                gauge      pool bytes of exact recurrent states kept
 ``feather:decision_latency_seconds``        histogram  one policy decision (observation and policy call)
 ``feather:scheduler_step_seconds``          histogram  one Feather ``schedule()`` call
@@ -85,8 +85,8 @@ def feather_metrics() -> FeatherMetrics:
         logger.info("Feather metrics are in this process's Prometheus registry; behind vLLM's OpenAI server, "
                     "set PROMETHEUS_MULTIPROC_DIR to an empty directory before starting it to see them on /metrics")
 
-    def gauge(name: str, doc: str) -> Gauge:
-        return Gauge(PREFIX + name, doc, multiprocess_mode="livesum")
+    def gauge(name: str, doc: str, labels: tuple[str, ...] = ()) -> Gauge:
+        return Gauge(PREFIX + name, doc, labels, multiprocess_mode="livesum")
 
     return FeatherMetrics(
         decisions=Counter(PREFIX + "decisions", "Feather policy answers, by action.", ["action"]),
@@ -98,7 +98,7 @@ def feather_metrics() -> FeatherMetrics:
         rebuilt_states=Counter(PREFIX + "rebuilt_states", "Recurrent states rebuilt by SuffixReplay."),
         waiting=gauge("waiting_requests", "Requests in the Feather waiting queue."),
         cht_prefixes=gauge("cht_prefixes", "Prefixes indexed by the Chunked Hash Tree."),
-        anchor_bytes=gauge("anchor_bytes", "Bytes of SuffixReplay anchors kept."),
+        anchor_bytes=gauge("anchor_bytes", "Bytes of SuffixReplay anchors kept, per GDN layer.", ["layer"]),
         kept_state_bytes=gauge("kept_state_bytes", "Pool bytes of exact recurrent states kept."),
         decision_latency=Histogram(PREFIX + "decision_latency_seconds", "One Feather policy decision.",
                                    buckets=DECISION_BUCKETS_S),
@@ -151,8 +151,9 @@ class MetricsRecorder:
         if delta := self._delta("refusals", refusals):
             self.metrics.refused_swaps.inc(delta)
 
-    def replay(self, *, hits: int, rebuilt_states: int, rebuild_s: float, anchor_bytes: int) -> None:
-        """SuffixReplay's cumulative hits, rebuilt states and rebuild time after a step."""
+    def replay(self, *, hits: int, rebuilt_states: int, rebuild_s: float, anchor_layer_bytes: dict[int, int]) -> None:
+        """SuffixReplay's cumulative hits, rebuilt states and rebuild time after a step, and the
+        anchor bytes each GDN layer holds."""
         new_hits = self._delta("replay_hits", hits)
         spent = self._delta("rebuild_s", rebuild_s)
         if new_hits:
@@ -161,7 +162,8 @@ class MetricsRecorder:
                 self.metrics.rebuild_time.observe(spent / new_hits)
         if delta := self._delta("rebuilt_states", rebuilt_states):
             self.metrics.rebuilt_states.inc(delta)
-        self.metrics.anchor_bytes.set(anchor_bytes)
+        for layer, held in anchor_layer_bytes.items():
+            self.metrics.anchor_bytes.labels(layer=str(layer)).set(held)
 
     def kept_states(self, state_bytes: int) -> None:
         self.metrics.kept_state_bytes.set(state_bytes)

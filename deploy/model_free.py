@@ -30,7 +30,7 @@ SAMPLED_TOKEN = 1
 
 def model_free_scheduler(scheduler_cls, *, block_size: int, num_blocks: int, max_num_seqs: int,
                          max_num_batched_tokens: int, max_model_len: int, async_scheduling: bool = False,
-                         hybrid: bool = False, **kwargs):
+                         hybrid: bool = False, enforce_eager: bool = False, **kwargs):
     """A fresh ``scheduler_cls`` over a KV cache of ``num_blocks`` x ``block_size`` tokens (prefix caching on).
 
     ``hybrid``: the model config is the tiny Qwen3-Next hybrid's
@@ -57,7 +57,8 @@ def model_free_scheduler(scheduler_cls, *, block_size: int, num_blocks: int, max
                                        max_model_len=max_model_len, enable_chunked_prefill=True,
                                        is_encoder_decoder=False, async_scheduling=async_scheduling)
     model_dir = ensure_hybrid_hf("tiny") if hybrid else ensure_smollm2_hf()
-    model_config = ModelConfig(model=str(model_dir), skip_tokenizer_init=True, max_model_len=max_model_len)
+    model_config = ModelConfig(model=str(model_dir), skip_tokenizer_init=True, max_model_len=max_model_len,
+                               enforce_eager=enforce_eager)
     cache_config = CacheConfig(block_size=block_size, enable_prefix_caching=True)
     vllm_config = VllmConfig(scheduler_config=scheduler_config, model_config=model_config, cache_config=cache_config)
     vllm_config.cache_config.block_size = block_size      # the platform may prefer another; the scheduler gets this

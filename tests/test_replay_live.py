@@ -145,3 +145,132 @@ def test_misconfigurations_are_refused_with_a_reason(llm):
             install_scheduler(llm, SuffixReplayScheduler, **replay_side())
     finally:
         compilation.mode = mode
+
+
+def family_trace(llm, *, families: int = 3, members: int = 4, seed: int = 3):
+    """``families`` x ``members`` prompts: a family shares its first page, then each prompt has a
+    tail of its own (so every hit is at page 1, where anchors of a whole page replay from the
+    sequence start, exactly). The first member of every family arrives at 0 s, the others
+    together at 0.5 s, when they wait in one queue for the admission's decisions."""
+    from traces import Request, Trace
+
+    rng = np.random.default_rng(seed)
+    block = block_size(llm)
+    shared = [rng.integers(100, 20000, size=block) for _ in range(families)]
+    requests = []
+    for i in range(families * members):
+        prompt = np.concatenate([shared[i % families], rng.integers(100, 20000, size=60 + 23 * i)])
+        requests.append(Request(str(i), 0.0 if i < families else 0.5, len(prompt), 8, token_ids=prompt))
+    return Trace("families", requests)
+
+
+@live
+def test_the_feather_scheduler_with_replay_serves_every_request_with_replay_hits(llm):
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from deploy.engine_rounds import run_round
+    from deploy.replay_scheduler import FeatherReplayScheduler
+    from deploy.scheduler import FeatherConfig
+
+    trace = family_trace(llm)
+    exact = run_round(llm, trace, Scheduler, label="vllm", round_index=0)
+    side = run_round(llm, trace, FeatherReplayScheduler, label="feather-replay", round_index=1,
+                     feather_config=FeatherConfig(policy="feather-rule"),
+                     **replay_side(replay_tokens=block_size(llm)))
+    stats = side.scheduler_stats
+    assert side.lost == 0 and exact.lost == 0 and side.finished == len(trace)
+    assert stats["admission"] == "PolicyAdmission" and stats["decisions"] > 0
+    assert stats["states_kept"] == 0 and stats["replay_hits"] == len(trace) - 3    # every later member, by replay
+    assert side.cached_tokens == stats["replay_hits"] * block_size(llm)
+    assert side.outputs == exact.outputs                                            # replayed from the start: exact
+
+
+def replay_layers(llm) -> list:
+    """The engine's :class:`~deploy.replay_layer.ReplayGDN` modules (the model runs in this process)."""
+    from deploy.replay_layer import ReplayGDN
+
+    model = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner.get_model()
+    return [module for module in model.modules() if isinstance(module, ReplayGDN)]
+
+
+def scheduler_gdn_layers(llm) -> list[int]:
+    """The GDN layer indices of the engine's model (its ReplayGDN layers)."""
+    from deploy.replay_layer import PLAN
+
+    return sorted(PLAN.layers.values())
+
+
+@live
+def test_a_layers_gate_input_is_the_one_vllms_forward_unpacks(llm):
+    import torch
+
+    layers = replay_layers(llm)
+    hidden = llm.llm_engine.vllm_config.model_config.get_hidden_size()
+    x = torch.randn(7, hidden, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    assert len(layers) == len(scheduler_gdn_layers(llm)) > 0
+    with torch.inference_mode():
+        for layer in layers:
+            (qkvz, _), (ba, _) = layer.in_proj_qkvz(x), layer.in_proj_ba(x)
+            *_, a = layer.fix_query_key_value_ordering(qkvz, ba)            # vLLM's own unpacking
+            assert torch.equal(layer.gate_input(ba), a)
+            assert 0 < layer.gate_memory(x) < float("inf")
+
+
+@live
+def test_replay_with_per_layer_budgets_serves_hits_within_the_same_bytes(llm):
+    from deploy.replay_scheduler import SuffixReplayScheduler
+
+    block = block_size(llm)
+    prompts = shared_prompts(llm, pages=2, seed=4)
+    scheduler, replayed = serve(llm, SuffixReplayScheduler, prompts,
+                                **replay_side(replay_tokens=16, replay_split="gate_memory"))
+    stats = scheduler.feather_stats()
+    layers = len(scheduler_gdn_layers(llm))
+    assert stats["replay_hits"] == 2 and [o.num_cached_tokens for o in replayed] == [0, 2 * block, 2 * block]
+    assert all(len(o.outputs[0].token_ids) == 8 for o in replayed)
+    assert stats["states_rebuilt"] == 2 * layers
+    hidden = llm.llm_engine.vllm_config.model_config.get_hidden_size()
+    assert stats["anchor_bytes_per_page"] == 16 * layers * hidden * 2             # uniform R = 16's bytes
+    assert stats["anchor_bytes"] == sum(stats["anchor_bytes_by_layer"].values()) \
+        == stats["anchors_kept"] * stats["anchor_bytes_per_page"]
+    means = stats["replay_tokens_by_layer_mean"]
+    assert sum(means.values()) == pytest.approx(16 * layers)
+    assert all(scheduler.min_layer_replay_tokens <= r <= block for r in means.values())
+    assert len(set(means.values())) > 1, means                # the layers' gates differ, so do their budgets
+
+
+@live
+def test_a_later_turn_resumes_on_a_page_the_first_turn_reached_while_decoding(llm):
+    from vllm import SamplingParams, TokensPrompt
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from deploy.engine_rounds import install_scheduler
+    from deploy.replay_layer import PLAN
+    from deploy.replay_scheduler import SuffixReplayScheduler
+
+    block = block_size(llm)
+    rng = np.random.default_rng(5)
+    first = rng.integers(100, 20000, size=block - 28).tolist()        # the first page ends in turn 1's output
+    tail = rng.integers(100, 20000, size=50).tolist()
+
+    def two_turns(scheduler_cls, **kwargs):
+        """Turn 1 decodes 60 tokens; turn 2 is turn 1's prompt, its output and a tail."""
+        scheduler = install_scheduler(llm, scheduler_cls, **kwargs)
+        turns = []
+        for prompt, tokens in ((first, 60), (None, 8)):
+            prompt = prompt or first + list(turns[0].outputs[0].token_ids) + tail
+            params = SamplingParams(max_tokens=tokens, temperature=0, logprobs=0, ignore_eos=True)
+            turns.append(llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)[0])
+        return scheduler, turns[1]
+
+    scheduler, decoded = two_turns(SuffixReplayScheduler, **replay_side(replay_tokens=block, anchor_decode_pages=True))
+    stats = scheduler.feather_stats()
+    assert decoded.num_cached_tokens == block and stats["replay_hits"] == 1 and stats["states_kept"] == 0
+    assert not PLAN.pending                                              # turn 1's unfinished window is gone
+    _, prompt_only = two_turns(SuffixReplayScheduler, **replay_side(replay_tokens=block))
+    assert prompt_only.num_cached_tokens == 0                            # no anchor on turn 1's only page
+    _, exact = two_turns(Scheduler)
+    # replayed from the sequence start, over anchors partly computed by decode steps (vLLM's decode
+    # kernels, not its prefill's): vLLM's greedy tokens, its logprobs to the last bits of bf16
+    assert decoded.outputs[0].token_ids == exact.outputs[0].token_ids
+    assert logprobs(decoded) == pytest.approx(logprobs(exact), abs=1e-3)

@@ -117,11 +117,43 @@ def test_allocation_splits_the_budget_by_weight_within_bounds():
         n, low = int(rng.integers(1, 7)), int(rng.integers(1, 5))
         high = int(rng.integers(low, 200))
         budget = int(rng.integers(n * low, n * high + 1))
-        out = sr.allocate_replay_tokens(budget, {i: float(w) for i, w in enumerate(rng.exponential(size=n))},
-                                        minimum=low, maximum=high)
+        weights = {i: float(w) for i, w in enumerate(rng.exponential(size=n))}
+        out = sr.allocate_replay_tokens(budget, weights, minimum=low, maximum=high)
         assert sum(out.values()) == budget and all(low <= v <= high for v in out.values())
+        by_weight = sorted(weights, key=weights.get)
+        assert [out[i] for i in by_weight] == sorted(out.values())      # a longer memory never gets fewer
     with pytest.raises(ValueError, match="budget"):
         sr.allocate_replay_tokens(5, {0: 1.0, 1: 1.0}, minimum=4)
+
+
+def test_gate_memory_is_the_slowest_heads_decay_to_eps():
+    # head 0 halves every 10 tokens, head 1 every token: head 0 reaches 1e-3 after log2(1000) * 10 tokens
+    g = torch.tensor([[np.log(0.5) / 10, np.log(0.5)]] * 5)
+    assert sr.gate_memory_tokens(g) == pytest.approx(10 * np.log2(1000), rel=1e-6)
+    assert sr.gate_memory_tokens(g, eps=0.5) == pytest.approx(10, rel=1e-6)
+    decay = sr.gdn_log_decay(torch.zeros(3, 2), torch.log(torch.tensor([1.0, 2.0])), torch.zeros(2))
+    assert torch.allclose(decay, -torch.tensor([1.0, 2.0]) * np.log(2.0))       # softplus(0) = ln 2
+
+
+def test_anchor_store_with_split_rows_keeps_each_entrys_total_and_counts_bytes_per_layer():
+    store = _store(2, split_rows=True)
+    g = torch.Generator().manual_seed(0)
+    store.put(1, {0: torch.randn(11, 16, generator=g), 2: torch.randn(1, 16, generator=g)})
+    store.put(2, {0: torch.randn(2, 16, generator=g), 2: torch.randn(10, 16, generator=g)})
+    assert store.used_bytes == 2 * store.entry_bytes == 768
+    assert store.layer_bytes == {0: (11 + 2) * 32, 2: (1 + 10) * 32}
+    assert store.mean_replay_tokens() == {0: 6.5, 2: 5.5}
+    assert [a.shape[0] for a in store.get(1).values()] == [11, 1]
+    store.put(3, _anchors(3))                                   # the uniform shape is one split; 2 is evicted
+    assert store.layer_bytes == {0: (11 + 8) * 32, 2: (1 + 4) * 32} and sum(store.layer_bytes.values()) == 768
+    with pytest.raises(ValueError, match="13 rows in all, an entry holds 12"):
+        store.put(4, {0: torch.zeros(12, 16), 2: torch.zeros(1, 16)})
+    with pytest.raises(ValueError, match="R_l >= 1"):
+        store.put(4, {0: torch.zeros(12, 16), 2: torch.zeros(0, 16)})
+    fixed = _store(1)
+    with pytest.raises(ValueError, match="expected \\(8, 16\\)"):
+        fixed.put(1, {0: torch.zeros(11, 16), 2: torch.zeros(1, 16)})
+    assert fixed.mean_replay_tokens() == {0: 0.0, 2: 0.0} and len(store) == 2
 
 
 def _store(entries: int, **kwargs) -> AnchorStore:

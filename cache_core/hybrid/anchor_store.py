@@ -1,7 +1,10 @@
 """The anchor sidecar: SuffixReplay's anchors, kept beside (not inside) the KV prefix cache.
 
 An entry is the anchors of one page boundary: for every anchored GDN layer ``l``, the last
-``R_l`` layer inputs before the boundary, ``[R_l, hidden]`` in the store dtype. It is keyed by
+``R_l`` layer inputs before the boundary, ``[R_l, hidden]`` in the store dtype. ``R_l`` is
+``replay_tokens[l]``; with ``split_rows`` an entry may split the same total ``sum_l
+replay_tokens[l]`` among its layers differently (each ``R_l >= 1``), as the engine does when it
+splits each page's replay budget by the gate memory measured on that page. It is keyed by
 the chained digest of the prefix that ends at that boundary, the same key the CHT and the
 prefix cache use (:func:`traces.chunk_hash.chained_chunk_hashes` with ``chunk_size`` = the
 page size; :meth:`AnchorStore.keys_for` computes them), so a KV prefix hit of ``i + 1`` pages
@@ -12,9 +15,11 @@ engine (:mod:`deploy.replay_scheduler`); numpy integers are stored as Python ``i
 
 Invariants (``tests/test_suffix_replay.py``):
 
-* every entry has exactly the configured layers and shapes, so all entries have the same size,
-  :attr:`AnchorStore.entry_bytes` ``= sum_l R_l * hidden * dtype bytes``; ``used_bytes`` is
-  the sum over entries and never exceeds ``budget_bytes``;
+* every entry has exactly the configured layers and shapes (with ``split_rows``: the configured
+  total of rows), so all entries have the same size, :attr:`AnchorStore.entry_bytes` ``= sum_l
+  R_l * hidden * dtype bytes``; ``used_bytes`` is the sum over entries and never exceeds
+  ``budget_bytes``; ``layer_bytes[l]`` is what layer ``l`` holds over all entries, and the
+  layers' bytes sum to ``used_bytes``;
 * storage per cached token is :attr:`AnchorStore.bytes_per_cached_token` ``= entry_bytes /
   page_tokens`` (one entry per page of prefix kept);
 * eviction is least-recently-used: a ``put`` or a successful ``get`` makes an entry the most
@@ -47,14 +52,16 @@ class AnchorStore:
     """A byte-budgeted LRU map: chained page digest -> {GDN layer: anchors [R_l, hidden]}."""
 
     def __init__(self, budget_bytes: int, *, hidden_size: int, replay_tokens: dict[int, int],
-                 page_tokens: int = 256, dtype: str = "bfloat16") -> None:
+                 page_tokens: int = 256, dtype: str = "bfloat16", split_rows: bool = False) -> None:
         if dtype not in DTYPES:
             raise ValueError(f"unknown anchor dtype {dtype!r}; choose from {sorted(DTYPES)}")
         if not replay_tokens or min(replay_tokens.values()) < 1 or hidden_size < 1 or page_tokens < 1:
             raise ValueError("need at least one anchored layer, R_l >= 1, hidden_size >= 1 and page_tokens >= 1")
         self.hidden_size, self.page_tokens, self.dtype = int(hidden_size), int(page_tokens), DTYPES[dtype]
         self.replay_tokens = {int(l): int(r) for l, r in sorted(replay_tokens.items())}
-        self.entry_bytes = sum(self.replay_tokens.values()) * self.hidden_size * self.dtype.itemsize
+        self.split_rows = bool(split_rows)
+        self.row_bytes = self.hidden_size * self.dtype.itemsize
+        self.entry_bytes = sum(self.replay_tokens.values()) * self.row_bytes
         if budget_bytes < self.entry_bytes:
             raise ValueError(f"anchor budget of {budget_bytes} bytes is too small for one entry of "
                              f"{self.entry_bytes} bytes ({sum(self.replay_tokens.values())} anchors x "
@@ -62,6 +69,7 @@ class AnchorStore:
         self.budget_bytes = int(budget_bytes)
         self._entries: OrderedDict[int, dict[int, torch.Tensor]] = OrderedDict()
         self.used_bytes = 0
+        self.layer_bytes = dict.fromkeys(self.replay_tokens, 0)
         self.evictions = 0
 
     @property
@@ -72,6 +80,11 @@ class AnchorStore:
     @property
     def capacity_entries(self) -> int:
         return self.budget_bytes // self.entry_bytes
+
+    def mean_replay_tokens(self) -> dict[int, float]:
+        """Per layer, the anchors an entry holds on average (0 when the store is empty)."""
+        return {layer: kept / (self.row_bytes * len(self)) if self._entries else 0.0
+                for layer, kept in self.layer_bytes.items()}
 
     def keys_for(self, tokens) -> np.ndarray:
         """The digest of every page boundary of ``tokens`` (uint64, one per full page)."""
@@ -85,10 +98,15 @@ class AnchorStore:
         entry = {}
         for layer, r in self.replay_tokens.items():
             tensor = torch.as_tensor(anchors[layer])
-            if tuple(tensor.shape) != (r, self.hidden_size):
-                raise ValueError(f"layer {layer}: anchors of shape {tuple(tensor.shape)}, "
-                                 f"expected ({r}, {self.hidden_size})")
+            shape = tuple(tensor.shape)
+            if len(shape) != 2 or shape[1] != self.hidden_size or not (shape[0] >= 1 if self.split_rows
+                                                                     else shape[0] == r):
+                raise ValueError(f"layer {layer}: anchors of shape {shape}, "
+                                 f"expected ({'R_l >= 1' if self.split_rows else r}, {self.hidden_size})")
             entry[layer] = tensor.detach().to(self.dtype).contiguous().clone()
+        rows = sum(t.shape[0] for t in entry.values())
+        if rows * self.row_bytes != self.entry_bytes:
+            raise ValueError(f"anchors of {rows} rows in all, an entry holds {self.entry_bytes // self.row_bytes}")
         if key in self._entries:
             self._remove(key)
         evicted = []
@@ -98,7 +116,7 @@ class AnchorStore:
             evicted.append(oldest)
         self.evictions += len(evicted)
         self._entries[key] = entry
-        self.used_bytes += sum(t.numel() * t.element_size() for t in entry.values())
+        self._account(entry, +1)
         return evicted
 
     def get(self, key) -> dict[int, torch.Tensor]:
@@ -115,8 +133,14 @@ class AnchorStore:
         return next((i for i in range(len(keys) - 1, -1, -1) if _key(keys[i]) in self._entries), -1)
 
     def _remove(self, key) -> None:
-        entry = self._entries.pop(key)
-        self.used_bytes -= sum(t.numel() * t.element_size() for t in entry.values())
+        self._account(self._entries.pop(key), -1)
+
+    def _account(self, entry: dict[int, torch.Tensor], sign: int) -> None:
+        """Add (``sign`` 1) or remove (-1) an entry's bytes, per layer and in all."""
+        for layer, tensor in entry.items():
+            size = sign * tensor.numel() * tensor.element_size()
+            self.layer_bytes[layer] += size
+            self.used_bytes += size
 
     def __contains__(self, key) -> bool:
         return _key(key) in self._entries

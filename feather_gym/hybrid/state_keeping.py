@@ -31,8 +31,9 @@ blocks of its KV capacity for states, and :class:`~cache_core.hybrid.state_regis
 (shared with the plug-in) evicts beyond ``max_states``.
 
 Divergences from the live engine: the reserve is a fixed partition (vLLM's states and KV share
-one LRU pool, the plug-in caps the states); states are kept at prompt boundaries only (vLLM
-can also keep decode-phase boundaries, which only a later turn of the same conversation hits).
+one LRU pool, the plug-in caps the states); states and anchors are kept at prompt boundaries only
+(vLLM can also keep decode-phase boundaries, and the engine anchors them with
+``anchor_decode_pages``; only a later turn of the same conversation hits those).
 """
 
 from __future__ import annotations

@@ -265,21 +265,29 @@ def continuation_logits(model, exact_cache, p: int, gdn_states: dict[int, GDNSta
     return out.logits[0].float()
 
 
+def gdn_log_decay(a: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
+    """A GDN layer's per-token, per-head log decay ``g = -exp(A_log) * softplus(a + dt_bias)``
+    (float32, ``<= 0``), from the gate input ``a`` ``[..., heads]`` its ``in_proj_ba`` projects
+    and the layer's parameters ``A_log`` (``a_log``) and ``dt_bias``."""
+    return -a_log.float().exp() * torch.nn.functional.softplus(a.float() + dt_bias.float())
+
+
+def gate_memory_tokens(log_decay: torch.Tensor, eps: float = 1e-3) -> float:
+    """Tokens until the slowest head's gate decays a state by ``eps``, from the log decay
+    ``[tokens, heads]``: a head's memory is ``ln(eps) / mean_t g`` (geometric-mean decay; the
+    delta rule's erasure shortens memory further, so this is an upper-bound-style weight)."""
+    return float((math.log(eps) / log_decay.float().mean(0).clamp(max=-1e-9)).max())
+
+
 @torch.no_grad()
 def memory_lengths(model, gdn_inputs: dict[int, torch.Tensor], eps: float = 1e-3) -> dict[int, float]:
-    """Per GDN layer: tokens until the slowest head's gate decays a state by ``eps``.
-
-    Uses the module's own projections and gate parameters on the captured inputs: the per-token
-    log decay is ``g = -exp(A_log) * softplus(a + dt_bias)``; a head's memory is
-    ``ln(eps) / mean_t g`` tokens (geometric-mean decay; the delta rule's erasure shortens memory
-    further, so this is an upper-bound-style weight). The layer's value is its slowest head's.
-    """
+    """Per GDN layer: :func:`gate_memory_tokens` of its gate over the captured inputs, computed
+    with the module's own projections and gate parameters (:func:`gdn_log_decay`)."""
     lengths = {}
     for layer, module in gdn_modules(model).items():
         x = gdn_inputs[layer][None].to(module.in_proj_ba.weight.dtype)
         *_, a = module.fix_query_key_value_ordering(module.in_proj_qkvz(x), module.in_proj_ba(x))
-        g = -module.A_log.float().exp() * torch.nn.functional.softplus(a.float() + module.dt_bias)
-        lengths[layer] = float((math.log(eps) / g[0].mean(0).clamp(max=-1e-9)).max())
+        lengths[layer] = gate_memory_tokens(gdn_log_decay(a[0], module.A_log, module.dt_bias), eps)
     return lengths
 
 
@@ -289,8 +297,9 @@ def allocate_replay_tokens(budget: int, weights: dict[int, float], *, minimum: i
 
     ``R_l`` is proportional to ``weights[l]`` (all-equal weights give an equal split), rounded by
     largest remainder so that ``sum R_l == budget`` exactly, with every ``R_l`` in
-    ``[minimum, maximum]``: ``R_l = clip(lam * w_l, minimum, maximum)`` with ``lam`` found by
-    bisection (a capped layer's surplus goes to the others, by weight).
+    ``[minimum, maximum]``: ``R_l = clip(lam * w_l, minimum, maximum)`` (a capped layer's surplus
+    goes to the others, by weight), with ``lam`` solved exactly on the piecewise-linear sum
+    between its breakpoints ``minimum / w_l`` and ``maximum / w_l``.
     ``ValueError`` if the budget cannot satisfy the bounds.
     """
     layers = sorted(weights)
@@ -300,11 +309,12 @@ def allocate_replay_tokens(budget: int, weights: dict[int, float], *, minimum: i
         raise ValueError(f"budget {budget} cannot give {n} layers between {minimum} and {cap} tokens each")
     w = np.array([max(float(weights[l]), 0.0) for l in layers])
     w = np.where(w > 0, w, 1e-9 * w.max()) if w.max() > 0 else np.ones(n)
-    lo, hi = 0.0, cap / w.min()                      # R_l = clip(lam * w_l, minimum, cap); sum is monotone in lam
-    for _ in range(100):
-        lam = (lo + hi) / 2
-        lo, hi = (lam, hi) if np.clip(lam * w, minimum, cap).sum() < budget else (lo, lam)
-    alloc = np.clip(hi * w, minimum, cap)
+    points = np.unique(np.concatenate([minimum / w, cap / w]))     # the sum is linear between these
+    sums = np.clip(points[:, None] * w, minimum, cap).sum(axis=1)  # n * minimum ... n * cap, non-decreasing
+    j = int(np.searchsorted(sums, budget))                         # the first breakpoint reaching the budget
+    lam = points[0] if j == 0 else points[j - 1] + (budget - sums[j - 1]) * (
+        (points[j] - points[j - 1]) / (sums[j] - sums[j - 1]))
+    alloc = np.clip(lam * w, minimum, cap)
     rounded = np.clip(np.floor(alloc + 1e-6).astype(int), minimum, cap)
     order = np.argsort(-(alloc - rounded), kind="stable")
     while rounded.sum() != budget:                   # largest remainder first, one token per layer per pass
