@@ -1,11 +1,12 @@
 // deploy.step_log.step_composition, maintained across steps (module deploy._composition).
 //
 // DecodeComposition keeps, per request that decoded in the last step it was scheduled, the keys of
-// the full blocks it counts, with a reference count per counted block and per first block. A step counts the blocks its decoding requests newly filled; a request that stops
-// decoding is uncounted at once when it leaves the engine (leave()), else (preempted, or not
-// scheduled) at the first step that does not decode it. Per step: O(scheduled requests) cheap
-// checks read from the scheduler output's own lists (a counted decoder's request object is read
-// only when a block can have filled), plus O(blocks) once per request that starts or stops decoding.
+// the full blocks it counts, with a reference count per counted block and per first block. A step
+// counts the blocks its decoding requests newly filled; a request that stops decoding is uncounted
+// at once when it leaves the engine (leave()), else (preempted, or not scheduled) at the first step
+// that does not decode it. Per step: O(scheduled requests) cheap checks read from the scheduler
+// output's own lists (a counted decoder's request object is read only when a block can have
+// filled), plus O(blocks) once per request that starts or stops decoding.
 //
 // A block is identified by the first 8 bytes of its hash (little endian), as the CHT reads vLLM's
 // block hashes (traces.chunk_hash.block_hash_digests): equal to the scan's identity by whole hashes
