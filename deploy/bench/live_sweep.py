@@ -21,10 +21,13 @@ engine, each load's figures beside the simulator's on the same requests and arri
 
 Per load and policy, on both sides (:data:`FIGURES`): output tokens/s, TTFT p50/p99, TPOT p50/p99,
 goodput under the SLO (requests meeting TTFT and TPOT per second of makespan, live: of wall time
-summed over the rounds) and the share meeting it, and the requests finished and lost; the
-goodput ratio live / simulated. Per load: the policies ranked by goodput on each side and
-whether the live ranking is the simulator's (:func:`deploy.bench.validate.same_ranking`: a pair the
-simulator ties within :data:`~deploy.bench.validate.RANKING_TIE` makes no claim).
+summed over the rounds) and the share meeting it, engine steps (live: the mean per round) and the
+mean step time, a Feather policy's decisions and the admissions its waiting bound forced (live: means
+per round), and the requests finished and lost; the goodput ratio live / simulated; live only,
+the scheduler's own CPU time per step (``schedule`` and ``update_from_output``). Per load: the
+policies ranked by goodput on each side and whether the live ranking is the simulator's
+(:func:`deploy.bench.validate.same_ranking`: a pair the simulator ties within
+:data:`~deploy.bench.validate.RANKING_TIE` makes no claim).
 """
 
 from __future__ import annotations
@@ -48,18 +51,27 @@ DEFAULT_POLICIES = ("feather-rule",)
 DEFAULT_ROUNDS = 2
 #: Figures of each side per load and policy (keys of both).
 FIGURES = ("throughput_tok_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_ms", "tpot_p99_ms", "goodput_req_s",
-           "slo_met_fraction", "requests_finished", "requests_lost")
+           "slo_met_fraction", "steps", "step_ms_mean", "decisions", "forced_wait_admissions",
+           "requests_finished", "requests_lost")
 
 
 def sim_figures(row: dict) -> dict:
-    """:data:`FIGURES` of one simulated sweep row (``load_sweep``'s)."""
-    return {**{key: row[key] for key in FIGURES[:-2]}, "requests_finished": row["requests"],
-            "requests_lost": row["rejected"]}
+    """:data:`FIGURES` of one simulated sweep row (``load_sweep``'s); a Feather policy's decisions and
+    waiting-bound admissions, None for ``fcfs`` (vLLM's scheduler asks no policy)."""
+    feather = row["policy"] != "fcfs"
+    return {**{key: row[key] for key in FIGURES[:-4]},
+            **{key: row[key] if feather else None for key in ("decisions", "forced_wait_admissions")},
+            "requests_finished": row["requests"], "requests_lost": row["rejected"]}
 
 
 def live_figures(side: dict) -> dict:
     """:data:`FIGURES` of one live side (``run_schedulers``' summary with an SLO)."""
     return {"throughput_tok_s": side["output_tok_s"], **{key: side[key] for key in FIGURES[1:]}}
+
+
+def scheduler_cpu_us_per_step(side: dict) -> float:
+    """The scheduler's own CPU time per engine step of one live side (µs)."""
+    return side["schedule_cpu_us_per_step"] + side["update_cpu_us_per_step"]
 
 
 def compare_load(sim_rows: dict[str, dict], live_sides: dict[str, dict]) -> dict:
@@ -71,7 +83,8 @@ def compare_load(sim_rows: dict[str, dict], live_sides: dict[str, dict]) -> dict
     for name in sim_rows:
         sim, live = sim_figures(sim_rows[name]), live_figures(live_sides[name])
         ratio = live["goodput_req_s"] / sim["goodput_req_s"] if sim["goodput_req_s"] > 0 else None
-        policies[name] = {"sim": sim, "live": live, "goodput_live_over_sim": ratio}
+        policies[name] = {"sim": sim, "live": live, "goodput_live_over_sim": ratio,
+                          "live_scheduler_cpu_us_per_step": scheduler_cpu_us_per_step(live_sides[name])}
     goodput = {side: {name: p[side]["goodput_req_s"] for name, p in policies.items()} for side in ("sim", "live")}
     return {"policies": policies,
             "sim_ranking": sorted(goodput["sim"], key=lambda n: -goodput["sim"][n]),
@@ -159,8 +172,11 @@ def live_sweep(workload: str = DEFAULT_WORKLOAD, *, label: str | None = None, lo
     return report
 
 
-def _pair(sim, live, spec: str) -> str:
-    return f"{format(sim, spec)}|{format(live, spec)}"
+#: The table's simulated|live columns: (figure, heading, width, format).
+_COLUMNS = (("throughput_tok_s", "tok/s", 10, ".0f"), ("ttft_p50_s", "ttft p50 s", 12, ".2f"),
+            ("ttft_p99_s", "ttft p99 s", 12, ".2f"), ("tpot_p50_ms", "tpot p50 ms", 12, ".0f"),
+            ("tpot_p99_ms", "tpot p99 ms", 12, ".0f"), ("goodput_req_s", "goodput/s", 12, ".3f"),
+            ("steps", "steps", 10, ".0f"))
 
 
 def format_live_sweep(report: dict) -> str:
@@ -175,18 +191,17 @@ def format_live_sweep(report: dict) -> str:
             f"{100 * report['calibration_mape_after']:.0f}%)",
             f"FCFS capacity on the calibrated profile {report['capacity_requests_per_s']:.3g} requests/s "
             f"({report['capacity_simulations']} simulations)",
-            "cells: simulated|live",
-            f"{'load':>5} {'policy':<14}{'tok/s':>14}{'ttft p50 s':>14}{'ttft p99 s':>14}{'tpot p50 ms':>14}"
-            f"{'tpot p99 ms':>14}{'goodput/s':>14}{'live/sim':>9}{'lost':>6}"]
+            "cells: simulated|live; sched: the live scheduler's CPU ms per step",
+            f"{'load':>5} {'policy':<13}" + "".join(f"{heading:>{width}}" for _, heading, width, _ in _COLUMNS)
+            + f"{'live/sim':>9}{'sched':>6}{'lost':>5}"]
     for entry in report["loads"]:
         for name, p in entry["policies"].items():
             sim, live = p["sim"], p["live"]
             ratio = "-" if p["goodput_live_over_sim"] is None else f"{p['goodput_live_over_sim']:.3f}"
-            rows.append(f"{entry['load']:>5.2f} {name[-14:]:<14}"
-                        + "".join(f"{_pair(sim[key], live[key], spec):>14}" for key, spec in (
-                            ("throughput_tok_s", ".0f"), ("ttft_p50_s", ".3f"), ("ttft_p99_s", ".3f"),
-                            ("tpot_p50_ms", ".0f"), ("tpot_p99_ms", ".0f"), ("goodput_req_s", ".3f")))
-                        + f"{ratio:>9}{live['requests_lost']:>6}")
+            rows.append(f"{entry['load']:>5.2f} {name[-13:]:<13}"
+                        + "".join(f"{format(sim[key], spec) + '|' + format(live[key], spec):>{width}}"
+                                  for key, _, width, spec in _COLUMNS)
+                        + f"{ratio:>9}{p['live_scheduler_cpu_us_per_step'] / 1e3:>6.1f}{live['requests_lost']:>5}")
     for entry in report["loads"]:
         goodput = {side: {name: p[side]["goodput_req_s"] for name, p in entry["policies"].items()}
                    for side in ("sim", "live")}
