@@ -378,9 +378,11 @@ def bench_policy_command(args) -> int:
     from deploy.bench.policy import bench_policy
 
     report = bench_policy(one_policy(args.policies), iterations=args.iterations, device=args.device)
-    text = (f"policy {report['policy']} on {report['provider']}: decide p50 {report['decide_us_p50']} us "
-            f"(p99 {report['decide_us_p99']}), plain session.run p50 {report['session_run_us_p50']} us, "
-            f"whole decision (CHT + observation + policy) p50 {report['decision_us_p50']} us")
+    text = (f"policy {report['policy']} ({report['kernel']}): decide p50 {report['decide_us_p50']} us "
+            f"(p99 {report['decide_us_p99']}), on onnxruntime p50 {report['decide_onnxruntime_us_p50']} us, "
+            f"plain session.run p50 {report['session_run_us_p50']} us,\n"
+            f"whole decision (CHT candidates + observation + policy, W={report['waiting']}, "
+            f"{report['running']} running) p50 {report['decision_us_p50']} us")
     return print_report(text, report, as_json=args.json)
 
 
