@@ -9,7 +9,8 @@ each policy and each step-log mode (``off``, the in-memory ``ring``, a ``file``)
 
 A run of one side: ``waiting`` requests are added, then the engine steps. The queue is topped
 up to ``waiting`` after every step (outside the step's timing; each ``add_request`` is timed on
-its own). The **burst round** is the steps from an empty running set until ``max_num_seqs``
+its own). Each request is made, its block hashes computed, right before it is added, as vLLM's
+engine core makes them. The **burst round** is the steps from an empty running set until ``max_num_seqs``
 requests run (hundreds of admissions); the **steady state** is the ``steps`` steps after it,
 where a few requests finish and are replaced per step. A step's time is the thread CPU time of
 its ``schedule()`` plus its ``update_from_output()``.
@@ -34,6 +35,7 @@ ratios' min and max beside it.
 
 from __future__ import annotations
 
+import itertools
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -149,10 +151,16 @@ def run_side(scheduler_cls, trace, config: SchedulerBenchConfig, **scheduler_kwa
             compositions.append(step_composition(output, scheduler.requests, scheduler.hash_block_size))
 
     engine = ModelFreeEngine(scheduler, pipelined=config.pipelined, on_schedule=observe)
-    requests = vllm_requests(trace, block_size=config.block_size)      # made after the engine, as they arrive
     own = OwnTime(scheduler)
-    add_ns = engine.add_requests(requests[:config.waiting])
-    own_add_ns, next_request = own.take(), config.waiting
+    # Each request is made (its block hashes computed) right before it is added, as vLLM's engine
+    # core does, and after the engine was built (not frozen with it).
+    arrivals = iter(trace.requests)
+
+    def arrive(count: int) -> list[int]:
+        return engine.add_requests(vllm_requests(itertools.islice(arrivals, count), block_size=config.block_size))
+
+    add_ns = arrive(config.waiting)
+    own_add_ns, added = own.take(), len(add_ns)
     burst, steady = [], []       # (step timing, own ns of the step)
     while len(steady) < config.steps and len(burst) < MAX_BURST_STEPS:
         timing = engine.step()
@@ -163,17 +171,18 @@ def run_side(scheduler_cls, trace, config: SchedulerBenchConfig, **scheduler_kwa
             else:
                 burst.append((timing, own_ns))
                 ramped = len(scheduler.running) >= config.max_num_seqs
-        top_up = min(config.waiting - len(scheduler.waiting), len(requests) - next_request)
+        top_up = min(config.waiting - len(scheduler.waiting), len(trace) - added)
         if top_up > 0:
-            add_ns += engine.add_requests(requests[next_request:next_request + top_up])
+            times = arrive(top_up)
+            add_ns += times
             own_add_ns += own.take()
-            next_request += top_up
+            added += len(times)
         if not scheduler.has_unfinished_requests():
             break
     engine.drain()
     stats = scheduler.feather_stats() if hasattr(scheduler, "feather_stats") else {}
     scheduler.shutdown()
-    return {"burst": burst, "steady": steady, "add_ns": add_ns, "own_add_ns": own_add_ns, "added": next_request,
+    return {"burst": burst, "steady": steady, "add_ns": add_ns, "own_add_ns": own_add_ns, "added": added,
             "compositions": compositions, "finished": len(engine.finished), "stats": stats}
 
 
