@@ -77,35 +77,61 @@ class Capture:
     key: object = None
 
 
+@dataclass(frozen=True)
+class Rebuild:
+    """What one request's hit rebuilds in this step's forward.
+
+    ``anchors``: layer -> anchors ``[R_l, hidden]`` (token-wise: each GDN layer's own input;
+    layer-wise: the residual stream at the anchored decoder layers). Layer-wise only
+    (:mod:`deploy.replay_span`): ``tokens``, the ``R`` token ids before the ``boundary`` (a span
+    below the lowest anchored layer starts from their embeddings), and ``blocks``, per decoder
+    layer of the model the request's block a span writes to: a GDN layer's running-state slot
+    (in its own group), an attention layer's block at the boundary (its first after the hit)."""
+
+    anchors: dict[int, torch.Tensor]
+    tokens: torch.Tensor | None = None
+    boundary: int = 0
+    blocks: dict[int, int] = field(default_factory=dict)
+
+
 @dataclass
 class ReplayPlan:
     """What this step's forward does besides vLLM's work (written by the scheduler).
 
-    ``rebuilds``: running-state slot -> ``{GDN layer index: anchors [R, hidden]}``;
+    ``rebuilds``: running-state slot -> the :class:`Rebuild` of that request's hit;
     ``captures``: running-state slot -> the :class:`Capture` list of that request's chunk;
-    ``captured``: page key -> ``{GDN layer index: anchors}``, filled by the layers (each window
-    completed in one step is there after that step's forward); ``pending``: window -> ``{GDN
-    layer index: (anchors, rows filled)}`` of windows still incomplete (the scheduler drops a
+    ``captured``: page key -> ``{layer index: anchors}``, filled by the layers (each window
+    completed in one step is there after that step's forward); ``pending``: window -> ``{layer
+    index: (anchors, rows filled)}`` of windows still incomplete (the scheduler drops a
     request's when it leaves); ``rows``: anchors captured per layer and page; with ``measure_memory``,
     ``memory``: page key -> ``{GDN layer index: gate memory in tokens over the captured rows}``.
-    ``layers`` records every :class:`ReplayGDN` built in this process (prefix -> GDN layer index);
-    ``rebuilt_states`` and ``rebuild_s`` count the (layer, slot) states rebuilt and their wall time.
+    Layer-wise replay (:mod:`deploy.replay_span`) sets ``spans`` (first decoder layer -> last
+    decoder layer run over the suffix, one entry per span; empty: token-wise, every GDN layer
+    captures and rebuilds itself) and ``residual`` (the decoder layers whose input is captured).
+    ``layers`` records every :class:`ReplayGDN` built in this process (prefix -> GDN layer index),
+    ``model`` the decoder stack of the last :class:`~deploy.replay_span.ReplayQwen3Next` built;
+    ``rebuilt_states`` and ``rebuild_s`` count the (layer, slot) states rebuilt and their wall time;
+    ``replaying`` is true while a span runs (the layers then do vLLM's work only).
     """
 
     rows: int = 0
     measure_memory: bool = False
-    rebuilds: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)
+    rebuilds: dict[int, Rebuild] = field(default_factory=dict)
     captures: dict[int, list[Capture]] = field(default_factory=dict)
     captured: dict[object, dict[int, torch.Tensor]] = field(default_factory=dict)
     pending: dict[object, dict[int, tuple[torch.Tensor, int]]] = field(default_factory=dict)
     memory: dict[object, dict[int, float]] = field(default_factory=dict)
+    spans: dict[int, int] = field(default_factory=dict)
+    residual: frozenset[int] = frozenset()
     layers: dict[str, int] = field(default_factory=dict)
+    model: object = None
     rebuilt_states: int = 0
     rebuild_s: float = 0.0
+    replaying: bool = False
 
     @property
     def idle(self) -> bool:
-        return not (self.rebuilds or self.captures)
+        return self.replaying or not (self.rebuilds or self.captures)
 
     def clear_step(self) -> None:
         """Forget this step's work (``captured`` stays until the scheduler takes it)."""
@@ -115,6 +141,31 @@ class ReplayPlan:
         """The anchors captured since the last call, and their layers' gate memory (empty unless measured)."""
         captured, memory, self.captured, self.memory = self.captured, self.memory, {}, {}
         return captured, memory
+
+    def capture(self, layer: int, capture: Capture, rows: torch.Tensor) -> torch.Tensor | None:
+        """Copy ``rows`` (layer ``layer``'s) into the window's anchors; returns the anchors once the
+        window is complete (they are then in :attr:`captured`), else None. A window whose rows do not
+        arrive in order from its first (a part this layer never saw) is dropped, never completed
+        with rows missing."""
+        if capture.count == self.rows:                      # the whole window in this chunk
+            anchors = rows.clone()
+        else:
+            partial = self.pending.setdefault(capture.window, {})
+            anchors, filled = partial.pop(layer, (None, 0))
+            if filled != capture.anchor_row:
+                if not partial:
+                    del self.pending[capture.window]
+                return None
+            if anchors is None:
+                anchors = rows.new_empty((self.rows, rows.size(1)))
+            anchors[filled: filled + capture.count] = rows
+            if capture.key is None:
+                partial[layer] = (anchors, filled + capture.count)
+                return None
+            if not partial:
+                del self.pending[capture.window]
+        self.captured.setdefault(capture.key, {})[layer] = anchors
+        return anchors
 
 
 #: The one plan of this process (see the module docstring).
@@ -140,15 +191,39 @@ def replay_metadata(slot: int, num_tokens: int) -> GDNAttentionMetadata:
 
 
 @contextmanager
-def _metadata(prefix: str, metadata: GDNAttentionMetadata):
-    """This layer's forward-context metadata replaced by ``metadata`` for the duration."""
-    context = get_forward_context().attn_metadata
-    saved = context[prefix]
-    context[prefix] = metadata
+def substituted_metadata(metadata: dict[str, object], slot_mapping: dict[str, torch.Tensor] | None = None):
+    """The forward context's metadata of the layers named in ``metadata`` (and the KV slot
+    mappings of those in ``slot_mapping``) replaced for the duration, MoE padding masks off
+    (the rows run are all real); :attr:`ReplayPlan.replaying` is set meanwhile."""
+    context = get_forward_context()
+    saved = {name: context.attn_metadata[name] for name in metadata}
+    saved_slots = {name: context.slot_mapping.get(name) for name in slot_mapping or {}}
+    padding, replaying = context.is_padding, PLAN.replaying
+    context.attn_metadata.update(metadata)
+    context.slot_mapping.update(slot_mapping or {})
+    context.is_padding, PLAN.replaying = None, True
     try:
         yield
     finally:
-        context[prefix] = saved
+        context.attn_metadata.update(saved)
+        context.slot_mapping.update(saved_slots)
+        context.is_padding, PLAN.replaying = padding, replaying
+
+
+def gdn_metadata(prefix: str) -> GDNAttentionMetadata | None:
+    """This step's metadata of the GDN layer ``prefix`` when it has requests to serve (None in
+    profiling runs and steps without one)."""
+    metadata = get_forward_context().attn_metadata
+    metadata = metadata.get(prefix) if isinstance(metadata, dict) else None
+    if isinstance(metadata, GDNAttentionMetadata) and metadata.non_spec_state_indices_tensor is not None:
+        return metadata
+    return None
+
+
+def request_rows(metadata: GDNAttentionMetadata) -> list[tuple[int, int]]:
+    """``(running-state slot, first row in the step's tokens)`` of each request in ``metadata``."""
+    starts = metadata.non_spec_query_start_loc.tolist()
+    return [(slot, starts[i]) for i, slot in enumerate(metadata.non_spec_state_indices_tensor.tolist())]
 
 
 class ReplayGDN(QwenGatedDeltaNetAttention):
@@ -160,52 +235,27 @@ class ReplayGDN(QwenGatedDeltaNetAttention):
         PLAN.layers[self.prefix] = self.gdn_layer
 
     def forward_cpu(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if not PLAN.idle:
-            metadata = get_forward_context().attn_metadata
-            metadata = metadata.get(self.prefix) if isinstance(metadata, dict) else None
-            if isinstance(metadata, GDNAttentionMetadata) and metadata.non_spec_state_indices_tensor is not None:
+        if not PLAN.idle and not PLAN.spans:                   # layer-wise: the decoder layers' hooks do it
+            metadata = gdn_metadata(self.prefix)
+            if metadata is not None:
                 self._capture_and_rebuild(hidden_states, metadata)
         return super().forward_cpu(hidden_states)
 
     def _capture_and_rebuild(self, hidden_states: torch.Tensor, metadata: GDNAttentionMetadata) -> None:
-        slots = metadata.non_spec_state_indices_tensor.tolist()
-        starts = metadata.non_spec_query_start_loc.tolist()
-        for i, slot in enumerate(slots):
+        for slot, first in request_rows(metadata):
             for capture in PLAN.captures.get(slot, ()):
-                first = starts[i] + capture.chunk_row
-                self._capture(capture, hidden_states[first: first + capture.count])
-            anchors = PLAN.rebuilds.get(slot, {}).get(self.gdn_layer)
-            if anchors is not None:
+                rows = hidden_states[first + capture.chunk_row: first + capture.chunk_row + capture.count]
+                anchors = PLAN.capture(self.gdn_layer, capture, rows)
+                if anchors is not None and PLAN.measure_memory:
+                    PLAN.memory.setdefault(capture.key, {})[self.gdn_layer] = self.gate_memory(anchors)
+            rebuild = PLAN.rebuilds.get(slot)
+            if rebuild is not None:
                 started = time.perf_counter()
-                with _metadata(self.prefix, replay_metadata(slot, anchors.size(0))):
+                anchors = rebuild.anchors[self.gdn_layer]
+                with substituted_metadata({self.prefix: replay_metadata(slot, anchors.size(0))}):
                     super().forward_cpu(anchors.to(hidden_states.dtype))
                 PLAN.rebuild_s += time.perf_counter() - started
                 PLAN.rebuilt_states += 1
-
-    def _capture(self, capture: Capture, rows: torch.Tensor) -> None:
-        """Copy ``rows`` into the window's anchors; a complete window goes to :attr:`ReplayPlan.captured`.
-        A window whose rows do not arrive in order from its first (a part this layer never saw) is
-        dropped, never completed with rows missing."""
-        if capture.count == PLAN.rows:                      # the whole window in this chunk
-            anchors = rows.clone()
-        else:
-            partial = PLAN.pending.setdefault(capture.window, {})
-            anchors, filled = partial.pop(self.gdn_layer, (None, 0))
-            if filled != capture.anchor_row:
-                if not partial:
-                    del PLAN.pending[capture.window]
-                return
-            if anchors is None:
-                anchors = rows.new_empty((PLAN.rows, rows.size(1)))
-            anchors[filled: filled + capture.count] = rows
-            if capture.key is None:
-                partial[self.gdn_layer] = (anchors, filled + capture.count)
-                return
-            if not partial:
-                del PLAN.pending[capture.window]
-        PLAN.captured.setdefault(capture.key, {})[self.gdn_layer] = anchors
-        if PLAN.measure_memory:
-            PLAN.memory.setdefault(capture.key, {})[self.gdn_layer] = self.gate_memory(anchors)
 
     def gate_memory(self, rows: torch.Tensor) -> float:
         """This layer's gate memory (:func:`~feather_gym.hybrid.suffix_replay.gate_memory_tokens`,
@@ -239,8 +289,12 @@ def require_replay_platform(platform=None) -> None:
 
 def register_replay_layer(platform=None) -> None:
     """Have vLLM build :class:`ReplayGDN` wherever a model asks for ``QwenGatedDeltaNetAttention``,
+    and :class:`~deploy.replay_span.ReplayQwen3Next` (layer-wise replay's hooks) for Qwen3-Next,
     for every engine started afterwards in this process (idempotent); refused on a ``platform``
     without a replay path (:func:`require_replay_platform`)."""
+    from deploy.replay_span import register_replay_model  # it builds on this module
+
     require_replay_platform(platform)
     if op_registry_oot.get(QwenGatedDeltaNetAttention.__name__) is not ReplayGDN:
         PluggableLayer.register_oot(ReplayGDN, name=QwenGatedDeltaNetAttention.__name__)
+    register_replay_model()
