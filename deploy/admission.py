@@ -109,6 +109,7 @@ class PolicyAdmission(Admission):
         self._resumable = resumable
         self._fcfs_this_step = False
         self._queue = None
+        self._running_now = self._oldest_now = 0     # the view's figures, read once per decision
         #: When a list (the scheduler's step log is on): ``[observation, action]`` of each policy answer
         #: (the observation as the float32 array the policy read).
         self.decision_log: list | None = None
@@ -129,7 +130,7 @@ class PolicyAdmission(Admission):
 
     @property
     def num_running(self) -> int:
-        return self._num_running()
+        return self._running_now
 
     @property
     def kv_utilisation(self) -> float:
@@ -138,7 +139,7 @@ class PolicyAdmission(Admission):
     @property
     def oldest_wait_steps(self) -> int:
         # After rule 1 the FCFS head is the earliest-arrived waiting request (resumed ones lead).
-        return self._queue.wait_steps(self._queue.front())
+        return self._oldest_now
 
     @property
     def policy(self):
@@ -165,13 +166,14 @@ class PolicyAdmission(Admission):
         if queue.is_resumed(head):
             self.stats.forced_resumed += 1
             return head
-        if queue.wait_steps(head) >= self.max_wait_steps:
+        self._oldest_now = queue.wait_steps(head)
+        if self._oldest_now >= self.max_wait_steps:
             self.stats.forced_wait += 1
             return head
         if self._fcfs_this_step:
             self.stats.fcfs_admissions += 1
             return head
-        num_running = self._num_running()
+        num_running = self._running_now = self._num_running()
         if num_running >= self.max_num_seqs:
             return None
         k = self._num_candidates

@@ -8,10 +8,13 @@ constructor arguments the engine core gave the old one: same KV-cache layout, em
 Arrivals (:data:`DEFAULT_ONLINE`): ``online`` (the default), each request is submitted once the
 wall time since the round's start reaches its trace ``arrival_s`` (from the first arrival) times
 ``time_scale``, the engine stepping in between and sleeping when idle until the next arrival;
-otherwise every request is submitted at the round's start, before the first step. TTFT is the
-time from a request's submission to the end of the engine step that returned its first output
-token. Every request is greedy with ``ignore_eos`` and the trace's output length. A request is
-*lost* when it does not finish with its full output length within the round's time limit.
+otherwise every request is submitted at the round's start, before the first step. A request
+*arrives* at the round's start plus its offset (it is submitted at the first pass of the loop
+after that, between two steps). Its TTFT is the time from its arrival to the end of the engine
+step that returned its first output token, its TPOT ``(finish - first token) / (output tokens - 1)``,
+as the simulator's ``SimResult.latencies`` defines both. Every request is greedy with
+``ignore_eos`` and the trace's output length. A request is *lost* when it does not finish with
+its full output length within the round's time limit.
 """
 
 from __future__ import annotations
@@ -113,8 +116,9 @@ class SchedulerMeter:
 class RoundResult:
     """One round of one scheduler over the whole trace.
 
-    ``outputs`` holds the output tokens of the requests that finished; ``ttft_s`` one value
-    per request that produced a first token; ``lost`` counts the trace's requests that did not
+    ``outputs`` holds the output tokens of the requests that finished; ``ttft_s`` and ``tpot_s``
+    the TTFT and TPOT (seconds) of each request that finished with its full output length, in
+    trace order (TPOT NaN for a one-token output); ``lost`` counts the trace's requests that did not
     finish with their full output length (aborted at the time limit, or never submitted);
     ``first_scheduled_step`` the engine step (from 1) that first scheduled each request, in
     trace order (0: never), the simulator's :attr:`~feather_gym.simulator.SimResult.first_scheduled_step`.
@@ -125,6 +129,7 @@ class RoundResult:
     output_tokens: int
     cached_tokens: int
     ttft_s: np.ndarray
+    tpot_s: np.ndarray
     finished: int
     lost: int
     meter: SchedulerMeter
@@ -168,9 +173,10 @@ def run_round(llm, trace, scheduler_cls, *, label: str, round_index: int, online
     meter = SchedulerMeter()
     meter.attach(scheduler)
     engine = llm.llm_engine
-    submitted: dict[str, float] = {}
+    arrived: dict[str, float] = {}
+    first_token: dict[str, float] = {}
+    finished_at: dict[str, float] = {}
     tokens: dict[str, list[int]] = {}
-    ttft: list[float] = []
     outputs, cached, next_index = {}, 0, 0
     engine_ids: list[str | None] = [None] * len(prompts)
     clock = time.perf_counter
@@ -179,10 +185,10 @@ def run_round(llm, trace, scheduler_cls, *, label: str, round_index: int, online
         now = clock() - start
         while next_index < len(prompts) and offsets[next_index] <= now:
             engine_ids[next_index] = engine.add_request(*prompts[next_index])   # vLLM adds a random suffix
-            submitted[prompts[next_index][0]] = clock()
+            arrived[prompts[next_index][0]] = start + offsets[next_index]
             next_index += 1
         if now > timeout_s:
-            _abort_unfinished(engine, submitted, outputs, label, timeout_s)
+            _abort_unfinished(engine, arrived, outputs, label, timeout_s)
             break
         if engine.has_unfinished_requests():
             step_outputs = engine.step()
@@ -190,28 +196,33 @@ def run_round(llm, trace, scheduler_cls, *, label: str, round_index: int, online
             for out in step_outputs:
                 new = out.outputs[0].token_ids
                 if new and out.request_id not in tokens:
-                    ttft.append(stepped - submitted[out.request_id])
+                    first_token[out.request_id] = stepped
                 tokens.setdefault(out.request_id, []).extend(new)
                 if out.finished:
                     outputs[out.request_id.split(":", 1)[1]] = tokens[out.request_id]
+                    finished_at[out.request_id] = stepped
                     cached += out.num_cached_tokens or 0
         elif next_index < len(prompts):
             time.sleep(max(0.0, offsets[next_index] - now))
         else:
             break
     wall_s = clock() - start
-    complete = sum(len(outputs.get(r.request_id, ())) == r.output_len for r in trace)
+    done = [(rid, r.output_len) for (rid, _, _), r in zip(prompts, trace)
+            if len(outputs.get(r.request_id, ())) == r.output_len]
+    complete = len(done)
     output_tokens = sum(map(len, outputs.values()))
     logger.info("round %d %s: %.2f s, %d steps, %.2f output tok/s, %d/%d complete", round_index, label, wall_s,
                 meter.steps, output_tokens / wall_s, complete, len(trace))
     stats = scheduler.feather_stats() if hasattr(scheduler, "feather_stats") else {}
     first_step = np.array([meter.first_scheduled_step.get(engine_id, 0) for engine_id in engine_ids])
-    return RoundResult(label, wall_s, output_tokens, cached, np.array(ttft), len(outputs),
+    ttft = np.array([first_token[rid] - arrived[rid] for rid, _ in done])
+    tpot = np.array([(finished_at[rid] - first_token[rid]) / (n - 1) if n > 1 else np.nan for rid, n in done])
+    return RoundResult(label, wall_s, output_tokens, cached, ttft, tpot, len(outputs),
                        len(trace) - complete, meter, first_step, outputs, stats)
 
 
-def _abort_unfinished(engine, submitted: dict[str, float], outputs: dict, label: str, timeout_s: float) -> None:
-    """Abort the submitted requests that have not finished (the round ran past ``timeout_s``)."""
+def _abort_unfinished(engine, submitted, outputs: dict, label: str, timeout_s: float) -> None:
+    """Abort the ``submitted`` requests (engine ids) that have not finished (the round ran past ``timeout_s``)."""
     unfinished = [rid for rid in submitted if rid.split(":", 1)[1] not in outputs]
     logger.warning("%s: round ran past %.0f s; aborting %d unfinished requests", label, timeout_s, len(unfinished))
     engine.abort_request(unfinished)

@@ -11,6 +11,8 @@ runs a model and nothing is downloaded.
 scheduled request whose prefill is complete after this step (none for a prefill chunk). With
 ``pipelined`` (async scheduling, vLLM's batch queue of two) the next step is scheduled before
 the previous step's output is applied. Requests stop at their ``max_tokens`` (``ignore_eos``).
+Like vLLM's ``EngineCore``, the engine freezes the garbage collector's heap when it is built, so
+what a step allocates is collected among the objects made after that (requests included).
 
 Invariants: every step's output is applied exactly once, in scheduling order; a pipelined
 engine holds at most one step in flight; :meth:`ModelFreeEngine.drain` applies it.
@@ -113,6 +115,9 @@ class ModelFreeEngine:
     """Steps ``scheduler`` with synthetic model outputs (see the module docstring)."""
 
     def __init__(self, scheduler, *, pipelined: bool = False, on_schedule=None) -> None:
+        from vllm.utils.gc_utils import freeze_gc_heap
+
+        freeze_gc_heap()        # as vLLM's EngineCore does once built: what exists now leaves the GC's generations
         self.scheduler = scheduler
         self.pipelined = pipelined
         #: Called with each ``SchedulerOutput`` right after its ``schedule()``, outside the timing.

@@ -164,7 +164,8 @@ def build_admission(config: FeatherConfig, *, num_running: Callable[[], int], kv
         return FCFSAdmission()
     runtime = getattr(policy, "runtime", None)
     if runtime is not None:
-        logger.info("Feather policy %s loaded (%s, trained on %s / %s)", config.policy, runtime.provider,
+        logger.info("Feather policy %s loaded (%s, trained on %s / %s)", config.policy,
+                    "compiled evaluator" if runtime.kernel == "native" else f"onnxruntime {runtime.provider}",
                     runtime.metadata.get("feather.profile"), runtime.metadata.get("feather.workload"))
     return PolicyAdmission(policy, num_running=num_running, kv_usage=kv_usage, max_num_seqs=max_num_seqs,
                            max_wait_steps=config.max_wait_steps, resumable=resumable)

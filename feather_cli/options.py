@@ -187,6 +187,17 @@ def int_list_type(low: int = 1, *, allow_empty: bool = False):
 int_list = int_list_type()
 
 
+def float_list(text: str) -> list[float]:
+    """An argparse ``type``: ``"0.7,0.9"`` -> ``[0.7, 0.9]``, one or more positive finite numbers."""
+    try:
+        values = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        values = []
+    if not values or not all(0 < v < float("inf") for v in values):
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive numbers, got {text!r}")
+    return values
+
+
 def print_report(text: str, report: dict, *, as_json: bool) -> int:
     """Print a command's table, then (``--json``) its report as one object on the last line; exit code 0."""
     print(text)

@@ -10,6 +10,7 @@ from feather_cli.options import (
     add_policies,
     add_submission,
     add_workloads,
+    float_list,
     non_negative_int,
     parse_policies,
     parse_workloads,
@@ -63,7 +64,8 @@ def register(tree) -> None:
                            description="Find the workload's FCFS capacity on the profile, replay it at each load "
                                        "factor of it, and run every policy there.")
     add_workloads(sweep, WORKLOAD_HELP, repeat=False, required=True)
-    sweep.add_argument("--loads", default=DEFAULT_LOADS, help=f"comma-separated load factors (default {DEFAULT_LOADS})")
+    sweep.add_argument("--loads", type=float_list, default=DEFAULT_LOADS,
+                       help=f"comma-separated load factors (default {DEFAULT_LOADS})")
     add_policies(sweep, DEFAULT_SWEEP_POLICIES, "comma-separated policy names or *.onnx files")
     sweep.add_argument("--profile", default=None, help="cost-model profile (default: this hardware's)")
     sweep.add_argument("--slo", default="", metavar="ttft=2s,tpot=100ms",
@@ -142,16 +144,10 @@ def sweep_command(args) -> int:
     label, spec = split_workload(args.workload)
     cost_model = load_cost_model(args.profile or hardware_profile())
     slo = parse_slo(args.slo, DEFAULT_SLOS[cost_model.device])
-    try:
-        loads = [float(x) for x in args.loads.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"--loads {args.loads!r}: expected comma-separated numbers, e.g. {DEFAULT_LOADS}") from None
-    if not loads:
-        raise ValueError("--loads names no load factor")
     config = EngineConfig(kv_capacity_tokens=args.kv_tokens)
     trace, _ = resolve_at_load(spec, seed=args.seed, cost_model=cost_model, config=config,
                                max_requests=args.max_requests)
-    report = load_sweep(trace, cost_model, parse_policies(args.policies), loads, slo=slo, config=config)
+    report = load_sweep(trace, cost_model, parse_policies(args.policies), args.loads, slo=slo, config=config)
     print(f"workload {label} ({report['requests']} requests), profile {cost_model.name}; SLO TTFT {slo.ttft_s:g} s, "
           f"TPOT {slo.tpot_s * 1e3:g} ms")
     print(f"FCFS capacity {report['capacity_requests_per_s']:.4g} requests/s ({report['capacity_rate_factor']:.4g}x "

@@ -154,7 +154,8 @@ class OnnxPolicy:
     greedy action (0 STOP, ``i`` admit slot ``i - 1``), ``decide(obs)`` whether it admits at all.
 
     ``device="cpu"`` (default) runs the CPU execution provider: a tiny MLP is faster there
-    than behind a GPU launch. ``device="cuda"`` uses CUDA only when onnxruntime can actually
+    than behind a GPU launch; with ``native`` (default) a dense chain runs in the compiled evaluator
+    instead (``kernel``, see the module docstring). ``device="cuda"`` uses CUDA only when onnxruntime can actually
     create a CUDA session; otherwise it logs a warning and stays on CPU (``self.provider``
     says which one runs).
 
@@ -163,7 +164,7 @@ class OnnxPolicy:
     (one preallocated binding per instance).
     """
 
-    def __init__(self, path: str | os.PathLike, *, device: str = "cpu") -> None:
+    def __init__(self, path: str | os.PathLike, *, device: str = "cpu", native: bool = True) -> None:
         ort = import_onnxruntime()
         if device not in PROVIDERS:
             raise ValueError(f"unknown policy device {device!r}; choose one of {sorted(PROVIDERS)}")
@@ -196,7 +197,7 @@ class OnnxPolicy:
         self._binding.bind_output(OUTPUT_NAME, "cpu", element_type=np.float32,
                                   shape=self._logits.shape, buffer_ptr=self._logits.ctypes.data)
         self._session.run_with_iobinding(self._binding)  # warm-up: the first run initialises lazily
-        self._native = self._native_network() if device == "cpu" else None
+        self._native = self._native_network() if native and device == "cpu" else None
         self.kernel = "onnxruntime" if self._native is None else "native"
 
     def _native_network(self):

@@ -658,21 +658,12 @@ class Simulator:
         self._decode_kv += count * steps
 
     def _step_time(self, batch: DecodeBatch, chunks: list[tuple[int, int, int]]) -> float:
-        """Seconds of this step: the decode batch with the first prefill chunk through
-        ``CostModel.step_s``, plus every further chunk's ``prefill_s`` less the per-step fixed
-        cost. The cost model's prefill terms describe one request (attention over its own
-        cached prefix), so chunks of different requests add up rather than pool. O(chunks).
-        """
-        model = self.cost_model
+        """Seconds of this step: ``CostModel.chunked_step_s`` of the decode batch and the prefill
+        chunks. O(chunks)."""
         if not chunks:
-            return model.step_s(batch)
-        _, new, cached = chunks[0]
-        seconds = model.step_s(batch, new, cached)
-        fixed = model.coefficients["fixed"]
-        for _, new, cached in chunks[1:]:
-            seconds += model.prefill_s(new, cached) - fixed
+            return self.cost_model.step_s(batch)
         self.prefill_tokens += sum(c[1] for c in chunks)
-        return seconds
+        return self.cost_model.chunked_step_s(batch, [(new, cached) for _, new, cached in chunks])
 
     def _emit_first(self, idx: int) -> bool:
         """Prefill of ``idx`` completed this step: it emits a token, then decodes; True when that

@@ -54,7 +54,12 @@ def parse_slo(text: str, default: SLO) -> SLO:
 
 def latency_and_goodput(result, slo: SLO, makespan_s: float) -> dict:
     """TPOT percentiles and goodput of one ``SimResult`` under ``slo`` (``makespan_s``: its metrics')."""
-    ttft, tpot = result.latencies()
+    return slo_figures(*result.latencies(), slo, makespan_s)
+
+
+def slo_figures(ttft: np.ndarray, tpot: np.ndarray, slo: SLO, makespan_s: float) -> dict:
+    """TPOT percentiles and goodput of requests with these TTFTs and TPOTs (seconds, one per request,
+    TPOT NaN for a one-token output) served in ``makespan_s``: the simulator's and the live engine's."""
     met = (ttft <= slo.ttft_s) & ~(tpot > slo.tpot_s)          # a NaN TPOT (one token) meets any bound
     multi = tpot[~np.isnan(tpot)]
     return {
@@ -66,8 +71,12 @@ def latency_and_goodput(result, slo: SLO, makespan_s: float) -> dict:
     }
 
 
-def load_sweep(trace, cost_model, policy_names: list[str], loads: list[float], *, slo: SLO, config=None) -> dict:
-    """The sweep of ``trace`` (see the module docstring): capacity, SLO, and rows per load and policy."""
+def load_sweep(trace, cost_model, policy_names: list[str], loads: list[float], *, slo: SLO, config=None,
+               policy_factory=None) -> dict:
+    """The sweep of ``trace`` (see the module docstring): capacity, SLO, and rows per load and policy.
+
+    ``policy_factory(name)`` makes a fresh policy per run (default :func:`~feather_gym.policies.make_policy`;
+    the live sweep passes the policies as deployed)."""
     from feather_gym.policies import make_policy
     from feather_gym.simulator import EngineConfig, simulate, trace_digests
 
@@ -78,7 +87,8 @@ def load_sweep(trace, cost_model, policy_names: list[str], loads: list[float], *
     for load in map(check_load, loads):
         loaded = at_load(trace, capacity, load)
         for name in policy_names:
-            result = simulate(loaded, cost_model, make_policy(name), config=config, digests=digests)
+            result = simulate(loaded, cost_model, (policy_factory or make_policy)(name), config=config,
+                              digests=digests)
             metrics = result.metrics()
             rows.append({"load": load, "policy": name, "arrival_rate_req_s": capacity.requests_per_s * load,
                          **metrics, **latency_and_goodput(result, slo, metrics["makespan_s"])})

@@ -48,6 +48,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -92,10 +93,10 @@ def resolve_policy(policy: str, folder: Path) -> str:
     return str(untrained_policy(folder / "k4-untrained.onnx", k=4))
 
 
-def pytest_command(args, pytest_args, policy: str, report: Path) -> list[str]:
+def pytest_command(args, pytest_args, policy: str, report: Path, rootdir: Path) -> list[str]:
     files = [str(TEST_DIR / name) for name in args.files]
     command = [sys.executable, "-m", "pytest", "-p", "deploy.conformance", "-p", "no:cacheprovider", "--noconftest",
-               "--rootdir", str(args.vllm_src), "-q", "-rN", "--feather-policy", policy,
+               "--rootdir", str(rootdir), "-q", "-rN", "--feather-policy", policy,
                "--feather-report", str(report)]
     if args.force_prefix_caching:
         command.append("--feather-force-prefix-caching")
@@ -143,11 +144,13 @@ def main(argv=None) -> int:
         args.model_dir = ensure_smollm2_hf()
     with tempfile.TemporaryDirectory(prefix="feather-conformance-") as tmp:
         folder = Path(tmp)
+        # The tests alone, run from a folder without the tree's vllm/ package: from the tree itself,
+        # pytest would import that uncompiled source instead of the installed vLLM.
+        shutil.copytree(args.vllm_src / "tests", folder / "tests", ignore=shutil.ignore_patterns("__pycache__"))
         report = args.report.resolve() if args.report else folder / "report.json"
-        command = pytest_command(args, pytest_args, resolve_policy(args.policy, folder), report)
+        command = pytest_command(args, pytest_args, resolve_policy(args.policy, folder), report, folder)
         print("$", " ".join(command), flush=True)
-        completed = subprocess.run(command, cwd=args.vllm_src, env=environment(args.model_dir, folder),
-                                   stdout=sys.stderr)
+        completed = subprocess.run(command, cwd=folder, env=environment(args.model_dir, folder), stdout=sys.stderr)
         if not report.exists():
             raise SystemExit(f"pytest exited {completed.returncode} without a report")
         result = json.loads(report.read_text())

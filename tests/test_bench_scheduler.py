@@ -172,12 +172,14 @@ def test_bench_scheduler_reports_every_side_against_vllm(capsys):
     for label, side in result["sides"].items():
         assert side["steady_steps"] == 5 and side["burst_admissions"] >= 8 and side["step_us_p50"] > 0
         assert side["bubble_h200"] > 0 and side["modelled_step_ms_h100"] > 0
+        assert side["own_us_per_request"] == pytest.approx(side["own_burst_us_per_admission"]
+                                                           + side["own_add_us_mean"], abs=2e-3)
+        assert 0 < side["own_step_us_p50"] < side["step_us_p50"]
         if label != "vllm":
             assert side["feather_over_vllm_step_p50"] > 0 and side["feather_over_vllm_burst_round"] > 0
             assert side["policy_decisions"] > 0 and side["policy_fallbacks"] == 0
-            assert side["request_overhead_us"] == pytest.approx(side["admission_overhead_us"]
-                                                                + side["add_overhead_us"], abs=2e-3)
-            assert set(side["targets_met"]) >= {"request_overhead_10us", "burst_round_1_3x", "steady_step_1_05x"}
+            assert set(side["targets_met"]) >= {"own_time_10us_per_request", "burst_round_1_3x", "steady_step_1_05x"}
+            assert side["own_us_per_request_beyond_vllm"] is not None
             assert ("ring_over_off_step_p50" in side) == label.endswith("/ring")
             assert ("ring_log_1_02x" in side["targets_met"]) == label.endswith("/ring")
 

@@ -330,6 +330,7 @@ def test_cli_bench_policy_and_serve_bench_errors(files, capsys):
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["provider"] == "CPUExecutionProvider" and report["policy_adds"] > 0 and report["policy_stops"] == 0
     assert 0 < report["decide_us_p50"] <= report["decide_us_p99"] and report["decision_us_p50"] > 0
+    assert report["kernel"] == "native" and report["decide_onnxruntime_us_p50"] > 0
     assert main(["serve", "bench", "--policy", str(files["old_version"])]) == 2     # refused before any engine
     assert "feather-obs-0" in capsys.readouterr().err
 

@@ -213,7 +213,7 @@ def test_always_stop_policy_with_a_waiting_bound_stops_and_loses_nothing(llm, tr
 
 
 @live
-def test_online_arrivals_submit_at_trace_times_and_time_ttft_from_submission(llm, trace, default_round):
+def test_online_arrivals_submit_at_trace_times_and_time_ttft_from_arrival(llm, trace, default_round):
     from vllm.v1.core.sched.scheduler import Scheduler
 
     from deploy.engine_rounds import run_round, submission_offsets
@@ -224,8 +224,9 @@ def test_online_arrivals_submit_at_trace_times_and_time_ttft_from_submission(llm
     assert online.lost == 0 and online.outputs == default_round.outputs
     assert online.wall_s >= offsets[-1]                                            # the last one waited its turn
     assert len(online.ttft_s) == len(trace) and np.all(online.ttft_s > 0)
-    # From submission, not from the round's start: the late requests would count their offsets.
+    # From each request's arrival, not from the round's start: the late requests would count their offsets.
     assert online.ttft_s.max() < offsets[-1]
+    assert len(online.tpot_s) == len(trace) and np.all(online.tpot_s[[r.output_len > 1 for r in trace]] > 0)
 
 
 @live

@@ -49,7 +49,7 @@ def test_step_composition_counts_decodes_shared_blocks_groups_and_prefill_chunks
     # a and b share blocks (1, 2): 3 full blocks each, 4 distinct; c: 2 full blocks + 9 tail tokens
     assert composition["decode_unique_kv_tokens"] == (4 + 2) * BLOCK + 1 + 1 + 9
     assert composition["decode_groups"] == 2                                       # {a, b}, {c}
-    assert composition["prefill_chunks"] == [[32, 16], [1, 10]]
+    assert composition["prefill_chunks"] == [[1, 10], [32, 16]]                        # ascending
 
 
 # --- the log --------------------------------------------------------------------------------------

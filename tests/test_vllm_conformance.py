@@ -139,8 +139,9 @@ def test_the_script_builds_the_pytest_command_and_summarises_the_report(tmp_path
     script = load_script()
     args, extra = script.parse_args(["--vllm-src", str(tmp_path), "--policy", "feather-rule", "--force-prefix-caching",
                                      "--control", "c.json", "-x", "-k", "preempt"])
-    command = script.pytest_command(args, extra, "feather-rule", tmp_path / "r.json")
+    command = script.pytest_command(args, extra, "feather-rule", tmp_path / "r.json", tmp_path / "copy")
     assert command[command.index("--feather-policy") + 1] == "feather-rule"
+    assert command[command.index("--rootdir") + 1] == str(tmp_path / "copy")      # node ids as in the tree
     assert "--feather-force-prefix-caching" in command and "--noconftest" in command
     assert command[-3:] == ["-x", "-k", "preempt"] and "tests/v1/core/test_scheduler.py" in command
     env = script.environment(tmp_path / "model", tmp_path)

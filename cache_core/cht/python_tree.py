@@ -62,8 +62,8 @@ from heapq import heapify, heappop, heappush
 
 import numpy as np
 
-from cache_core.cht.tree import CandidateStats, PrefixGroup
-from traces.chunk_hash import DEFAULT_CHUNK_SIZE, chained_chunk_hashes, request_chunk_hashes
+from cache_core.cht.tree import CandidateStats, ChunkHashing, PrefixGroup
+from traces.chunk_hash import DEFAULT_CHUNK_SIZE
 
 #: Queue key of a request = ``num_chunks << _SEQ_BITS | seq``: ordered by length, then arrival
 #: (``seq`` counts adds: 2**40 per tree, 35 years at 1,000 requests/s).
@@ -116,7 +116,7 @@ def _leading(chain: list[int], holds, stop: int | None = None) -> int:
     return lo
 
 
-class PythonChunkedHashTree:
+class PythonChunkedHashTree(ChunkHashing):
     """Waiting queue indexed by chained chunk digests, with a running working set.
 
     ``chunk_size`` is the tokens per chunk that callers hash with (``digests_of``,
@@ -173,17 +173,6 @@ class PythonChunkedHashTree:
     def running_ids(self) -> list:
         """Running request ids in activation order. O(running)."""
         return list(self._running)
-
-    # ------------------------------------------------------------------ hashing helpers
-    def digests_of(self, tokens: np.ndarray) -> np.ndarray:
-        """Chained digests of ``tokens`` at this tree's chunk size."""
-        return chained_chunk_hashes(tokens, self.chunk_size)
-
-    def add_request(self, request) -> np.ndarray:
-        """Add a :class:`traces.Request` (hashed at this chunk size); returns its digests."""
-        digests = request_chunk_hashes(request, self.chunk_size)
-        self.add(request.request_id, digests)
-        return digests
 
     # ------------------------------------------------------------------ mutations
     def add(self, request_id, digests: np.ndarray) -> None:

@@ -67,7 +67,23 @@ class PrefixGroup:
     size: int
 
 
-class ChunkedHashTree(NativeTree):
+class ChunkHashing:
+    """What a CHT offers beyond digests: hashing tokens and requests at its ``chunk_size``."""
+
+    chunk_size: int
+
+    def digests_of(self, tokens: np.ndarray) -> np.ndarray:
+        """Chained digests of ``tokens`` at this tree's chunk size."""
+        return chained_chunk_hashes(tokens, self.chunk_size)
+
+    def add_request(self, request) -> np.ndarray:
+        """Add a :class:`traces.Request` (hashed at this chunk size); returns its digests."""
+        digests = request_chunk_hashes(request, self.chunk_size)
+        self.add(request.request_id, digests)
+        return digests
+
+
+class ChunkedHashTree(ChunkHashing, NativeTree):
     """Waiting queue indexed by chained chunk digests, with a running working set.
 
     ``chunk_size`` is the tokens per chunk that callers hash with (``digests_of``,
@@ -101,16 +117,6 @@ class ChunkedHashTree(NativeTree):
         copy._assign(self)
         memo[id(self)] = copy
         return copy
-
-    def digests_of(self, tokens: np.ndarray) -> np.ndarray:
-        """Chained digests of ``tokens`` at this tree's chunk size."""
-        return chained_chunk_hashes(tokens, self.chunk_size)
-
-    def add_request(self, request) -> np.ndarray:
-        """Add a :class:`traces.Request` (hashed at this chunk size); returns its digests."""
-        digests = request_chunk_hashes(request, self.chunk_size)
-        self.add(request.request_id, digests)
-        return digests
 
     def candidate_stats(self, request_id) -> CandidateStats:
         """Observation features of a waiting request (see :class:`CandidateStats`). O(L)."""

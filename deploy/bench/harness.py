@@ -13,7 +13,9 @@ whose output tokens match in every round of every side.
 Per side (:func:`summarise`): output tokens/s (output tokens / wall time of its rounds), engine
 steps, CPU time of the scheduler's own calls per step (``schedule`` and ``update_from_output``,
 thread CPU time, measured the same way for every side), its share of the wall time, the prompt
-tokens served from the prefix cache, TTFT percentiles, and per-round values. Per side against
+tokens served from the prefix cache, TTFT and TPOT percentiles, and per-round values; given a
+latency SLO (:class:`feather_gym.sweep.SLO`), the goodput under it as the simulated sweep
+defines it (:func:`feather_gym.sweep.slo_figures`: requests meeting it per second of wall time). Per side against
 the reference side (the first): the throughput ratio of each pair of same-index rounds, their
 mean, min/max, standard error and 95% confidence interval (:func:`ratio_stats`).
 """
@@ -98,13 +100,17 @@ def _mean_stat(rounds, name: str) -> float | None:
     return float(np.mean([r.scheduler_stats[name] for r in rounds])) if name in rounds[-1].scheduler_stats else None
 
 
-def summarise(rounds: list[RoundResult]) -> dict:
-    """Figures of one side's rounds: rates over the summed wall time, means per round, TTFT
-    percentiles over every request of every round, request counts summed over the rounds."""
+def summarise(rounds: list[RoundResult], slo=None) -> dict:
+    """Figures of one side's rounds: rates over the summed wall time, means per round, TTFT and
+    TPOT percentiles over every request of every round, request counts summed over the rounds;
+    with ``slo``, the goodput figures of every request of every round over the summed wall time."""
+    from feather_gym.sweep import slo_figures
+
     wall = np.array([r.wall_s for r in rounds])
     steps = np.array([r.meter.steps for r in rounds])
     cpu_ns = sum(r.meter.schedule_ns + r.meter.update_ns for r in rounds)
-    ttft = np.concatenate([r.ttft_s for r in rounds])
+    ttft, tpot = np.concatenate([r.ttft_s for r in rounds]), np.concatenate([r.tpot_s for r in rounds])
+    multi = tpot[~np.isnan(tpot)] * 1e3
     summary = {
         "output_tok_s": round(sum(r.output_tokens for r in rounds) / wall.sum(), 2),
         "wall_s_per_round": round(float(wall.mean()), 3),
@@ -122,6 +128,8 @@ def summarise(rounds: list[RoundResult]) -> dict:
         "forced_wait_admissions": _mean_stat(rounds, "forced_wait"),
         "ttft_p50_s": _percentile(ttft, 50),
         "ttft_p99_s": _percentile(ttft, 99),
+        "tpot_p50_ms": _percentile(multi, 50),
+        "tpot_p99_ms": _percentile(multi, 99),
         "requests_finished": sum(r.finished for r in rounds),
         "requests_lost": sum(r.lost for r in rounds),
         "per_round": {
@@ -135,6 +143,9 @@ def summarise(rounds: list[RoundResult]) -> dict:
             "first_scheduled_step": [r.first_scheduled_step.tolist() for r in rounds],
         },
     }
+    if slo is not None:
+        figures = slo_figures(ttft, tpot, slo, float(wall.sum()))
+        summary.update({key: figures[key] for key in ("slo_met_requests", "slo_met_fraction", "goodput_req_s")})
     if rounds[-1].scheduler_stats:
         summary["scheduler_stats_last_round"] = rounds[-1].scheduler_stats
     return summary
@@ -148,7 +159,7 @@ def rotated(labels: list[str], round_index: int) -> list[str]:
 
 def run_schedulers(llm, trace, sides: dict[str, tuple[type, dict]], *, rounds: int, online: bool = DEFAULT_ONLINE,
                    time_scale: float = 1.0, timeout_s: float = DEFAULT_ROUND_TIMEOUT_S, warm_up: bool = True,
-                   rotation: int = 0) -> dict:
+                   rotation: int = 0, slo=None) -> dict:
     """Every side ``{label: (scheduler_cls, constructor kwargs)}`` on ``trace``, ``rounds`` times each.
 
     Unless ``warm_up`` is false (the engine already served the sides, e.g. on another seed of the
@@ -157,7 +168,7 @@ def run_schedulers(llm, trace, sides: dict[str, tuple[type, dict]], *, rounds: i
     is slower than its second); timed round ``i`` then runs the sides in
     ``rotated(labels, rotation + i)`` order (:func:`rotated`; calls in sequence on new traces
     without warm-up pass ``rotation`` = their index, so each side in turn serves a new trace first).
-    Returns ``sides`` ({label: :func:`summarise`}), ``ratios`` ({label:
+    Returns ``sides`` ({label: :func:`summarise`}, with goodput under ``slo`` when given), ``ratios`` ({label:
     :func:`ratio_stats` of its per-round throughput over the first side's, rounds paired by
     index} for every other side), ``order``, ``identical_outputs`` (requests whose outputs are
     the same in every round of every side) and ``identical_to_reference`` ({label: requests whose
@@ -188,7 +199,7 @@ def run_schedulers(llm, trace, sides: dict[str, tuple[type, dict]], *, rounds: i
         "time_scale": time_scale,
         "reference": labels[0],
         "order": order,
-        "sides": {label: summarise(side) for label, side in results.items()},
+        "sides": {label: summarise(side, slo) for label, side in results.items()},
         "ratios": {label: ratio_stats(np.array([r.output_tok_s for r in side]) / reference)
                    for label, side in results.items() if label != labels[0]},
         "identical_outputs": identical,

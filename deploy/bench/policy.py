@@ -1,12 +1,17 @@
 """``feather bench policy``: how long one Feather admission decision takes.
 
-Three figures, each a distribution over ``iterations`` calls after a warm-up:
+Four figures, each a distribution over ``iterations`` calls after a warm-up:
 
 * ``session_run``: onnxruntime's plain ``session.run`` on one ``[1, F]`` row (the baseline);
-* ``decide``: :meth:`OnnxPolicy.decide` (preallocated IOBinding + NaN check), the policy alone;
-* ``decision``: a whole :meth:`PolicyAdmission.next_admission` inside a live
-  :class:`CHTWaitingQueue` (CHT best candidate, its statistics, the observation, the policy)
+* ``decide_onnxruntime``: :meth:`OnnxPolicy.decide` on onnxruntime (preallocated IOBinding + NaN
+  check), the policy alone;
+* ``decide``: the same as served (the compiled evaluator where the policy is a dense chain,
+  ``kernel``);
+* ``decision``: a whole :meth:`PolicyAdmission.next_admission` inside a
+  :class:`CHTWaitingQueue` (the CHT's candidates, their statistics, the observation, the policy)
   with ``waiting`` real vLLM requests from a prefix-groups workload, ``running`` of them admitted.
+  The queue does not change between calls: what it costs to admit requests into a changing queue,
+  against vLLM's own scheduler, is ``feather bench scheduler``'s.
 """
 
 from __future__ import annotations
@@ -32,14 +37,15 @@ def _time_calls(call, args: list, warmup: int) -> list[int]:
     return samples[warmup:]
 
 
-def bench_policy(policy_path: str, *, iterations: int = 20_000, waiting: int = 256, running: int = 32,
-                 block_size: int = 128, device: str = "cpu", seed: int = 0) -> dict:
+def bench_policy(policy_path: str, *, iterations: int = 20_000, waiting: int = 1000, running: int = 256,
+                 block_size: int = 16, device: str = "cpu", seed: int = 0) -> dict:
     """Decision-latency figures of the policy at ``policy_path`` (see the module docstring)."""
     from cache_core.cht.tree import ChunkedHashTree
     from deploy.admission import PolicyAdmission
     from deploy.vllm_request import vllm_request
     from deploy.waiting_queue import CHTWaitingQueue
     from feather_gym.policies import OnnxFilePolicy
+    from feather_gym.policy_runtime import OnnxPolicy
     from traces import generate
 
     if iterations < 10 or not 0 < running < waiting:
@@ -49,8 +55,11 @@ def bench_policy(policy_path: str, *, iterations: int = 20_000, waiting: int = 2
     warmup = max(iterations // 10, 1)
     rng = np.random.default_rng(seed)
     rows = list(rng.uniform(0.0, 2.0, (iterations + warmup, policy.num_features)).astype(np.float32))
-    report = {"policy": str(policy_path), "provider": policy.provider, "iterations": iterations}
+    report = {"policy": str(policy_path), "provider": policy.provider, "kernel": policy.kernel,
+              "iterations": iterations}
     report |= _percentiles_us(_time_calls(lambda row: policy.logits(row[None]), rows, warmup), "session_run")
+    on_onnxruntime = OnnxPolicy(policy_path, device=device, native=False)
+    report |= _percentiles_us(_time_calls(on_onnxruntime.decide, rows, warmup), "decide_onnxruntime")
     report |= _percentiles_us(_time_calls(policy.decide, rows, warmup), "decide")
 
     trace = generate("prefix-groups", seed=seed, num_requests=waiting, groups=8, prefix_tokens=4 * block_size,

@@ -91,11 +91,9 @@ def simulated(trace, cost_model, engine_config, policy_name: str) -> dict:
     """The simulator's :data:`FIGURES` for ``policy_name`` on ``trace`` (``decisions``: the
     policy's answers; None for ``fcfs``, as vLLM's scheduler asks none), and the step that first
     scheduled each request (trace order)."""
-    from feather_gym.policies import make_policy
     from feather_gym.simulator import simulate
 
-    policy = make_policy("fcfs") if policy_name == "fcfs" else _deployable(policy_name)
-    result = simulate(trace, cost_model, policy, config=engine_config)
+    result = simulate(trace, cost_model, as_deployed(policy_name), config=engine_config)
     metrics = result.metrics()
     return {"steps": metrics["steps"], "output_tok_s": metrics["throughput_tok_s"],
             "step_ms_mean": metrics["step_ms_mean"], "cached_prompt_tokens": metrics["cached_prompt_tokens"],
@@ -106,10 +104,14 @@ def simulated(trace, cost_model, engine_config, policy_name: str) -> dict:
             "first_scheduled_step": result.first_scheduled_step.tolist()}
 
 
-def _deployable(name: str):
+def as_deployed(name: str):
+    """A fresh policy ``name`` as the live sides run it: FCFS for ``fcfs`` (vLLM's own scheduler),
+    else :func:`deploy.scheduler.load_deployable_policy` (``ValueError``/``OSError`` for one that
+    cannot be deployed)."""
     from deploy.scheduler import load_deployable_policy
+    from feather_gym.policies import make_policy
 
-    return load_deployable_policy(name)
+    return make_policy("fcfs") if name == "fcfs" else load_deployable_policy(name)
 
 
 def live_sides(policies, *, max_wait_steps: int) -> dict:
@@ -206,8 +208,7 @@ def validate(workloads: dict[str, str], *, policies=DEFAULT_POLICIES, profile: s
         raise ValueError(f"num_seeds must be >= 1, got {num_seeds}")
     seeds = range(seed, seed + num_seeds)
     for name in policies:            # refuse a bad policy before the engine starts
-        if name != "fcfs":
-            _deployable(name)
+        as_deployed(name)
     profile = profile or hardware_profile()
     cost_model = load_cost_model(profile)
     started = time.perf_counter()

@@ -1,11 +1,12 @@
 // deploy.step_log.step_composition, maintained across steps (module deploy._composition).
 //
-// DecodeComposition keeps, per request that decoded in the last step it was scheduled, its block
-// hashes and the full blocks it counts, with a reference count per counted block and per first
-// block. A step counts the blocks its decoding requests newly filled; a request that stops
-// decoding is uncounted at once when it leaves the engine (leave()), else (preempted, or not
-// scheduled) at the first step that does not decode it. Per step: O(scheduled requests) cheap
-// checks, plus O(blocks) once per request that starts or stops decoding.
+// DecodeComposition keeps, per request that decoded in the last step it was scheduled, the keys of
+// the full blocks it counts, with a reference count per counted block and per first block. A step
+// counts the blocks its decoding requests newly filled; a request that stops decoding is uncounted
+// at once when it leaves the engine (leave()), else (preempted, or not scheduled) at the first step
+// that does not decode it. Per step: O(scheduled requests) cheap checks read from the scheduler
+// output's own lists (a counted decoder's request object is read only when a block can have
+// filled), plus O(blocks) once per request that starts or stops decoding.
 //
 // A block is identified by the first 8 bytes of its hash (little endian), as the CHT reads vLLM's
 // block hashes (traces.chunk_hash.block_hash_digests): equal to the scan's identity by whole hashes
@@ -38,11 +39,10 @@ struct PyKeyEqual {
 };
 
 struct Counted {
-  py::object hashes;     // the request's block-hash list
-  int64_t prompt = 0;    // its prompt tokens
-  int64_t full = 0;      // full blocks counted
-  int64_t next = 0;      // the next `before` at which a block can have filled
-  int64_t seen = 0;      // the last step that decoded it
+  std::vector<uint64_t> blocks;   // the keys of the full blocks it counts
+  int64_t prompt = 0;             // its prompt tokens
+  int64_t next = 0;               // the next `before` at which a block can have filled
+  int64_t seen = 0;               // the last step that decoded it
 };
 
 class DecodeComposition {
@@ -58,7 +58,7 @@ class DecodeComposition {
     auto found = counted_.find(request_id);
     if (found == counted_.end()) return;
     uncount(found->second);
-    ungrouped_ -= found->second.full == 0;
+    ungrouped_ -= found->second.blocks.empty();
     counted_.erase(found);
   }
 
@@ -160,7 +160,7 @@ class DecodeComposition {
     tally.decode += 1;
     tally.kv += before + 1;
     if (found == counted_.end()) {
-      found = counted_.emplace(id, Counted{py::none(), prompt, 0, 0, step_}).first;
+      found = counted_.emplace(id, Counted{{}, prompt, 0, step_}).first;
       ungrouped_ += 1;
     }
     found->second.prompt = prompt;
@@ -173,11 +173,15 @@ class DecodeComposition {
     py::object hashes = py::reinterpret_steal<py::object>(attr(request, "block_hashes"));
     const int64_t blocks = (before + 1) / block_size_;
     const int64_t full = std::min<int64_t>(static_cast<int64_t>(PyObject_Length(hashes.ptr())), blocks);
-    entry.hashes = hashes;
-    if (full > entry.full) {
-      ungrouped_ -= entry.full == 0;
-      count(hashes, entry.full, full);
-      entry.full = full;
+    const int64_t counted = static_cast<int64_t>(entry.blocks.size());
+    if (full > counted) {
+      ungrouped_ -= counted == 0;
+      for (int64_t j = counted; j < full; ++j) {
+        entry.blocks.push_back(block_key(hashes, j));
+        blocks_[entry.blocks.back()] += 1;
+      }
+      if (counted == 0) firsts_[entry.blocks.front()] += 1;
+      full_blocks_ += full - counted;
     }
     // `full` grows when before + 1 reaches the next block, or (hashes behind) once one is hashed
     entry.next = full == blocks ? (full + 1) * block_size_ - 1 : before + 1;
@@ -233,17 +237,11 @@ class DecodeComposition {
     return key;
   }
 
-  void count(const py::handle& hashes, int64_t start, int64_t stop) {
-    for (int64_t j = start; j < stop; ++j) blocks_[block_key(hashes, j)] += 1;
-    if (start == 0) firsts_[block_key(hashes, 0)] += 1;
-    full_blocks_ += stop - start;
-  }
-
   void uncount(const Counted& entry) {
-    if (!entry.full) return;
-    for (int64_t j = 0; j < entry.full; ++j) release(blocks_, block_key(entry.hashes, j));
-    release(firsts_, block_key(entry.hashes, 0));
-    full_blocks_ -= entry.full;
+    if (entry.blocks.empty()) return;
+    for (uint64_t block : entry.blocks) release(blocks_, block);
+    release(firsts_, entry.blocks.front());
+    full_blocks_ -= static_cast<int64_t>(entry.blocks.size());
   }
 
   static void release(std::unordered_map<uint64_t, int64_t>& counts, uint64_t key) {

@@ -15,7 +15,7 @@ KV bytes of one token over all layers.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
 
@@ -100,6 +100,29 @@ class CostModel:
 
     def decode_step_s(self, batch: DecodeBatch) -> float:
         return self.step_s(batch)
+
+    def chunked_step_s(self, batch: DecodeBatch, chunks) -> float:
+        """Seconds of a step decoding ``batch`` and prefilling ``chunks`` (``(new, cached)`` tokens
+        per request): :meth:`step_s` of the batch with the first chunk, plus every further chunk's
+        :meth:`prefill_s` less the per-step fixed cost. The prefill terms describe one request
+        (attention over its own cached prefix), so chunks of different requests add up rather
+        than pool. O(chunks); the simulator composes its steps with it."""
+        if not chunks:
+            return self.step_s(batch)
+        (new, cached), *further = chunks
+        seconds = self.step_s(batch, new, cached)
+        fixed = self.coefficients["fixed"]
+        for new, cached in further:
+            seconds += self.prefill_s(new, cached) - fixed
+        return seconds
+
+    def scaled(self, factor: float) -> CostModel:
+        """This model with every step ``factor`` times as long (all coefficients scaled alike,
+        the composition effects kept): a clock calibration (:mod:`.clock`). Named ``NAME@xFACTOR``."""
+        if not 0 < factor < float("inf"):
+            raise ValueError(f"clock factor must be a positive number, got {factor!r}")
+        return replace(self, name=f"{self.name}@x{factor:.4g}",
+                       coefficients={c: v * factor for c, v in self.coefficients.items()})
 
     def prefill_s(self, new_tokens: int, cached_tokens: int = 0) -> float:
         """Seconds of a prefill-only step of ``new_tokens`` after ``cached_tokens`` cached ones."""

@@ -1,0 +1,64 @@
+"""Timing engine steps live, to calibrate a cost-model profile's clock (:mod:`feather_gym.costmodel.clock`).
+
+:class:`StepTimedScheduler` is vLLM's own ``Scheduler`` that records every engine step it
+schedules as a :class:`~feather_gym.costmodel.refit.LiveStep`: the step's composition
+(:func:`deploy.step_log.step_composition`, read right after ``schedule()``) and its time on the
+wall clock and in this thread's CPU time, from the start of its ``schedule()`` to the start of
+the next one. That cycle is everything a live round pays per step: scheduling, the model,
+sampling, the scheduler's update, the front end's output processing and the driver loop. So
+the round must keep the engine busy from step to step (every request submitted at once): an
+idle wait between steps would count as step time. The last step, which no ``schedule()``
+follows, is not recorded.
+
+:func:`calibrate_clock` serves a trace that way with it, once, and fits the cost model's
+clock factor on the recorded steps.
+"""
+
+from __future__ import annotations
+
+import time
+
+from vllm.v1.core.sched.scheduler import Scheduler
+
+from deploy.engine_rounds import run_round
+from deploy.step_log import step_composition
+from feather_gym.costmodel.clock import ClockCalibration, fit_clock
+from feather_gym.costmodel.refit import LiveStep
+
+
+class StepTimedScheduler(Scheduler):
+    """vLLM's ``Scheduler`` appending one :class:`LiveStep` per closed step cycle to ``timed_steps``
+    (see the module docstring); it schedules exactly as vLLM's."""
+
+    def __init__(self, *args, timed_steps: list, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.timed_steps = timed_steps
+        self._open: tuple[float, float, dict] | None = None
+
+    def schedule(self, *args, **kwargs):
+        wall, cpu = time.perf_counter(), time.thread_time()
+        if self._open is not None:
+            started_wall, started_cpu, composition = self._open
+            self.timed_steps.append(LiveStep(step=len(self.timed_steps) + 1, time_unix_s=time.time(),
+                                             step_wall_s=wall - started_wall, step_cpu_s=cpu - started_cpu,
+                                             **composition))
+        output = super().schedule(*args, **kwargs)
+        self._open = (wall, cpu, step_composition(output, self.requests, self.hash_block_size))
+        return output
+
+
+def time_engine_steps(llm, trace) -> list[LiveStep]:
+    """Serve ``trace`` once, every request at once, with :class:`StepTimedScheduler`; its timed steps."""
+    steps: list[LiveStep] = []
+    result = run_round(llm, trace, StepTimedScheduler, label="clock calibration", round_index=-1, online=False,
+                       timed_steps=steps)
+    if result.lost:
+        raise RuntimeError(f"clock calibration: {result.lost} of {len(trace)} requests did not finish")
+    return steps
+
+
+def calibrate_clock(llm, trace, cost_model) -> ClockCalibration:
+    """:func:`~feather_gym.costmodel.clock.fit_clock` of ``cost_model`` on the wall times of
+    :func:`time_engine_steps` (the engine should have served such batches before: a first
+    batch shape compiles kernels)."""
+    return fit_clock(time_engine_steps(llm, trace), cost_model, clock="wall")

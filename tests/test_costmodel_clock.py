@@ -1,0 +1,96 @@
+"""Clock calibration (feather_gym.costmodel.clock): one factor fitted on timed live steps, and the
+scaled cost model it gives (no engine: the steps are made here)."""
+
+from __future__ import annotations
+
+import pytest
+
+from feather_gym.costmodel import DecodeBatch, load_cost_model
+from feather_gym.costmodel.clock import fit_clock, predicted_step_s
+from feather_gym.costmodel.refit import LiveStep
+
+#: Compositions as the engine logs them: prefill bursts of unlike chunks, mixed and decode steps.
+COMPOSITIONS = [
+    {"decode_requests": 0, "decode_kv_tokens": 0, "decode_unique_kv_tokens": 0, "decode_groups": 0,
+     "prefill_chunks": [[400, 0], [420, 0], [3276, 0]]},
+    {"decode_requests": 0, "decode_kv_tokens": 0, "decode_unique_kv_tokens": 0, "decode_groups": 0,
+     "prefill_chunks": [[60, 384], [90, 384]]},
+    {"decode_requests": 8, "decode_kv_tokens": 8 * 450, "decode_unique_kv_tokens": 2 * 384 + 8 * 66,
+     "decode_groups": 2, "prefill_chunks": [[40, 384]]},
+    {"decode_requests": 16, "decode_kv_tokens": 16 * 480, "decode_unique_kv_tokens": 4 * 384 + 16 * 96,
+     "decode_groups": 4, "prefill_chunks": []},
+    {"decode_requests": 1, "decode_kv_tokens": 500, "decode_unique_kv_tokens": 500, "decode_groups": 1,
+     "prefill_chunks": []},
+]
+NOTHING = {"decode_requests": 0, "decode_kv_tokens": 0, "decode_unique_kv_tokens": 0, "decode_groups": 0,
+           "prefill_chunks": []}
+
+
+def timed(model, factor_per_step: list[float], extra: list[dict] = ()) -> list[LiveStep]:
+    """LiveSteps of :data:`COMPOSITIONS` whose wall time is ``factor`` times ``model``'s prediction."""
+    steps = []
+    for i, (composition, factor) in enumerate(zip(COMPOSITIONS, factor_per_step)):
+        probe = LiveStep(step=i, time_unix_s=float(i), step_wall_s=0.0, step_cpu_s=0.0, **composition)
+        seconds = factor * predicted_step_s(model, probe)
+        steps.append(LiveStep(step=i, time_unix_s=float(i), step_wall_s=seconds, step_cpu_s=seconds / 2,
+                              **composition))
+    return steps + [LiveStep(step=99, time_unix_s=99.0, step_wall_s=0.01, step_cpu_s=0.01, **c) for c in extra]
+
+
+def test_a_machine_uniformly_slower_is_one_factor_and_the_scaled_model_predicts_its_steps():
+    base = load_cost_model("vllm-cpu")
+    steps = timed(base, [1.25] * len(COMPOSITIONS), extra=[NOTHING])     # a step with no work is left out
+    calibration = fit_clock(steps, base)
+    assert calibration.factor == pytest.approx(1.25) and calibration.steps == len(COMPOSITIONS)
+    assert calibration.mape_before == pytest.approx(0.2) and calibration.mape_after == pytest.approx(0.0, abs=1e-12)
+    assert calibration.measured_s == pytest.approx(1.25 * calibration.predicted_s)
+    scaled = base.scaled(calibration.factor)
+    assert scaled.name == "vllm-cpu@x1.25" and scaled.block_size == base.block_size
+    for step in steps[:-1]:
+        assert predicted_step_s(scaled, step) == pytest.approx(step.step_wall_s)
+    assert fit_clock(steps, base, clock="cpu").factor == pytest.approx(0.625)          # the CPU clock's times
+
+
+def test_the_factor_matches_the_total_time_and_leaves_what_one_factor_cannot_explain():
+    base = load_cost_model("vllm-cpu")
+    factors = [1.0, 2.0, 1.0, 2.0, 1.0]
+    calibration = fit_clock(timed(base, factors), base)
+    predicted = [predicted_step_s(base, LiveStep(0, 0.0, 0.0, 0.0, **c)) for c in COMPOSITIONS]
+    assert calibration.factor == pytest.approx(sum(f * p for f, p in zip(factors, predicted)) / sum(predicted))
+    assert 1.0 < calibration.factor < 2.0 and calibration.mape_after > 0.1
+
+
+def test_steps_compose_chunks_as_the_simulator_does():
+    model = load_cost_model("vllm-cpu")
+    batch = DecodeBatch(8, 8 * 450, 2 * 384 + 8 * 66, 2)
+    fixed = model.coefficients["fixed"]
+    assert model.chunked_step_s(batch, []) == model.step_s(batch)
+    assert model.chunked_step_s(batch, [(40, 384), (100, 0)]) == pytest.approx(
+        model.step_s(batch, 40, 384) + model.prefill_s(100, 0) - fixed)
+
+
+def test_a_scaled_profile_has_its_capacity_divided_by_the_factor():
+    """No admission reads the clock, so k times slower steps sustain exactly 1/k of the arrival rate."""
+    from feather_gym.load import find_capacity
+    from traces import resolve_workload
+
+    trace = resolve_workload("prefix-groups:num_requests=40,groups=4,prefix_tokens=384,output_tokens_max=32,rate=2",
+                             seed=0)
+    base = load_cost_model("vllm-cpu")
+    fast, slow = find_capacity(trace, base), find_capacity(trace, base.scaled(2.0))
+    assert slow.requests_per_s == pytest.approx(fast.requests_per_s / 2, rel=0.03)
+
+
+@pytest.mark.parametrize("factor", [0.0, -1.0, float("inf"), float("nan")])
+def test_scaled_refuses_a_factor_that_is_not_a_positive_number(factor):
+    with pytest.raises(ValueError, match="clock factor"):
+        load_cost_model("vllm-cpu").scaled(factor)
+
+
+def test_fit_clock_refuses_steps_without_work_and_an_unknown_clock():
+    base = load_cost_model("vllm-cpu")
+    nothing = [LiveStep(step=0, time_unix_s=0.0, step_wall_s=0.01, step_cpu_s=0.01, **NOTHING)]
+    with pytest.raises(ValueError, match="no clock to calibrate"):
+        fit_clock(nothing, base)
+    with pytest.raises(ValueError, match="clock must be one of"):
+        fit_clock(timed(base, [1.0] * 5), base, clock="gpu")

@@ -1,0 +1,131 @@
+"""``feather bench serve --loads``: the load sweep live beside the simulated one, on a calibrated clock.
+
+The pieces that need no engine first (the comparison of one load, the refusals of the command
+line); then, marked live, one small sweep end to end: every request finishes on every side.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from deploy.bench.live_sweep import FIGURES, compare_load, format_live_sweep
+
+#: Eight requests in two prefix groups, Poisson arrivals (the load rescales their rate).
+WORKLOAD = ("prefix-groups:num_requests=8,groups=2,prefix_tokens=256,suffix_tokens_min=16,suffix_tokens_max=64,"
+            "output_tokens_min=8,output_tokens_max=16,rate=1")
+
+
+def sim_row(goodput: float, policy: str = "feather-rule") -> dict:
+    return {"policy": policy, "throughput_tok_s": 100.0, "ttft_p50_s": 0.1, "ttft_p99_s": 0.5, "tpot_p50_ms": 40.0,
+            "tpot_p99_ms": 80.0, "goodput_req_s": goodput, "slo_met_fraction": 1.0, "steps": 60,
+            "step_ms_mean": 40.0, "decisions": 30, "forced_wait_admissions": 2, "requests": 12, "rejected": 0,
+            "queue_delay_p99_s": 0.2}
+
+
+def live_side(goodput: float) -> dict:
+    return {"output_tok_s": 90.0, "ttft_p50_s": 0.12, "ttft_p99_s": 0.6, "tpot_p50_ms": 45.0, "tpot_p99_ms": 90.0,
+            "goodput_req_s": goodput, "slo_met_fraction": 1.0, "steps": 50.0, "step_ms_mean": 45.0,
+            "decisions": 28.0, "forced_wait_admissions": 1.0,
+            "requests_finished": 24, "requests_lost": 0, "schedule_cpu_us_per_step": 300.0,
+            "update_cpu_us_per_step": 100.0}
+
+
+def test_one_load_compares_the_same_figures_and_ranks_by_goodput():
+    agree = compare_load({"fcfs": sim_row(2.0, "fcfs"), "feather-rule": sim_row(2.5)},
+                         {"fcfs": live_side(1.8), "feather-rule": live_side(2.0)})
+    rule = agree["policies"]["feather-rule"]
+    assert set(rule["sim"]) == set(rule["live"]) == set(FIGURES)
+    assert (rule["sim"]["throughput_tok_s"], rule["live"]["throughput_tok_s"]) == (100.0, 90.0)
+    assert rule["sim"]["requests_finished"] == 12 and rule["live"]["requests_finished"] == 24
+    assert rule["goodput_live_over_sim"] == pytest.approx(0.8) and rule["live_scheduler_cpu_us_per_step"] == 400.0
+    assert (rule["sim"]["steps"], rule["live"]["steps"]) == (60, 50.0)
+    assert (rule["sim"]["decisions"], rule["live"]["decisions"]) == (30, 28.0)
+    assert agree["policies"]["fcfs"]["sim"]["decisions"] is None                # vLLM's scheduler asks no policy
+    assert agree["sim_ranking"] == agree["live_ranking"] == ["feather-rule", "fcfs"] and agree["same_ranking"]
+    disagree = compare_load({"fcfs": sim_row(2.0), "feather-rule": sim_row(2.5)},
+                            {"fcfs": live_side(2.1), "feather-rule": live_side(2.0)})
+    assert disagree["live_ranking"] == ["fcfs", "feather-rule"] and not disagree["same_ranking"]
+    # A tie in the simulator makes no claim on the live order; no simulated goodput, no ratio.
+    tied = compare_load({"fcfs": sim_row(0.0), "feather-rule": sim_row(0.0)},
+                        {"fcfs": live_side(0.1), "feather-rule": live_side(0.0)})
+    assert tied["same_ranking"] and tied["policies"]["fcfs"]["goodput_live_over_sim"] is None
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["bench", "serve"], "--policies is required"),
+    (["bench", "serve", "--policies", "feather-rule", "--slo", "ttft=1s"], "give --loads"),
+    (["bench", "serve", "--loads", "0.9", "--all-at-once"], "no --all-at-once"),
+    (["bench", "serve", "--loads", "0.9", "--workload", "no-sharing", "--workload", "prefix-groups"], "one workload"),
+    (["bench", "serve", "--loads", "0.9", "--slo", "ttft=fast"], "SLO item"),
+    (["bench", "serve", "--loads", "0.9", "--policies", "lpm"], "cannot run in the Feather scheduler"),
+])
+def test_the_sweep_refuses_what_it_cannot_run_before_starting_an_engine(argv, message, capsys):
+    from feather_cli.main import main
+
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("loads", ["0,1", "fast", "0.9,-1", ""])
+def test_a_load_that_is_not_a_positive_number_is_refused_naming_the_flag(loads, capsys):
+    from feather_cli.main import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "serve", "--loads", loads])
+    assert exc.value.code == 2
+    assert "argument --loads: expected comma-separated positive numbers" in capsys.readouterr().err
+
+
+@pytest.mark.live
+def test_a_small_live_sweep_reports_every_figure_and_every_request_finishes(capsys):
+    pytest.importorskip("vllm")
+    from feather_cli.main import main
+
+    loads, rounds = (0.8, 1.2), 1
+    assert main(["bench", "serve", "--loads", ",".join(map(str, loads)), "--workload", f"small={WORKLOAD}",
+                 "--rounds", str(rounds), "--json"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    report = json.loads(lines[-1])
+    assert sum("goodput ranking sim" in line for line in lines[:-1]) == len(loads)
+    assert all(len(line) <= 120 for line in format_live_sweep(report).splitlines())
+
+    def keys(value):
+        if isinstance(value, dict):
+            for key, item in value.items():
+                yield key
+                yield from keys(item)
+        elif isinstance(value, list):
+            for item in value:
+                yield from keys(item)
+
+    named = {key for key in keys(report) if key not in report["policies"]}
+    assert all(re.fullmatch(r"[a-z0-9_]+", key) for key in named), named
+    assert report["policies"] == ["fcfs", "feather-rule"] and report["requests"] == 8
+    assert report["profile"] == "vllm-cpu" and report["calibrated_profile"].startswith("vllm-cpu@x")
+    assert report["calibration_steps"] > 10 and report["clock_factor"] > 0
+    assert report["clock_factor"] == pytest.approx(report["calibration_measured_s"] / report["calibration_predicted_s"])
+    assert (report["slo_ttft_s"], report["slo_tpot_s"]) == (10.0, 0.5)                  # the CPU SLO
+    assert report["capacity_requests_per_s"] > 0
+    assert [entry["load"] for entry in report["loads"]] == list(loads)
+    for entry in report["loads"]:
+        assert entry["arrival_rate_req_s"] == pytest.approx(report["capacity_requests_per_s"] * entry["load"])
+        assert sorted(entry["sim_ranking"]) == sorted(entry["live_ranking"]) == sorted(report["policies"])
+        assert isinstance(entry["same_ranking"], bool)
+        for name in report["policies"]:
+            sides = entry["policies"][name]
+            assert set(sides["sim"]) == set(sides["live"]) == set(FIGURES)
+            assert (sides["sim"]["requests_finished"], sides["sim"]["requests_lost"]) == (8, 0)
+            assert (sides["live"]["requests_finished"], sides["live"]["requests_lost"]) == (8 * rounds, 0)
+            for side in ("sim", "live"):
+                figures = sides[side]
+                assert figures["throughput_tok_s"] > 0 and 0 < figures["ttft_p50_s"] <= figures["ttft_p99_s"]
+                assert 0 < figures["tpot_p50_ms"] <= figures["tpot_p99_ms"]
+                assert 0 <= figures["slo_met_fraction"] <= 1 and figures["steps"] > 0
+            assert sides["live_scheduler_cpu_us_per_step"] > 0
+            assert (sides["sim"]["decisions"] is None) == (sides["live"]["decisions"] is None) == (name == "fcfs")
+            assert sides["goodput_live_over_sim"] == pytest.approx(
+                sides["live"]["goodput_req_s"] / sides["sim"]["goodput_req_s"])
+    assert report["loads_same_ranking"] == sum(entry["same_ranking"] for entry in report["loads"])
