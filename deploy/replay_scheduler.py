@@ -71,7 +71,8 @@ from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from cache_core.hybrid.anchor_store import DTYPES, EVICTIONS, AnchorStore  # noqa: E402
 from deploy.hybrid_placement import HybridPlacementMixin  # noqa: E402
 from deploy.plugin_config import config_section  # noqa: E402
-from deploy.replay_layer import PLAN, Capture, Rebuild, layer_index, require_replay_platform  # noqa: E402
+from deploy.replay_layer import require_replay_platform  # noqa: E402
+from deploy.replay_plan import PLAN, Capture, Rebuild, layer_index  # noqa: E402
 from deploy.replay_span import layer_spans, require_moe_layers_by_name  # noqa: E402
 from deploy.scheduler import FeatherSchedulingMixin  # noqa: E402
 from feather_gym.hybrid.suffix_replay import allocate_replay_tokens  # noqa: E402
@@ -256,7 +257,7 @@ class SuffixReplayMixin:
         return [block_ids[gid][cdiv(num_tokens, self.block_size) - 1] for gid in self._mamba]
 
     def _plan(self, output) -> None:
-        """This step's rebuilds and anchor captures, for :data:`~deploy.replay_layer.PLAN`."""
+        """This step's rebuilds and anchor captures, for :data:`~deploy.replay_plan.PLAN`."""
         PLAN.clear_step()
         for request_id, count in output.num_scheduled_tokens.items():
             request = self.requests[request_id]
@@ -304,7 +305,7 @@ class SuffixReplayMixin:
 
     def _captures(self, request, start: int, end: int) -> list[Capture]:
         """The rows of chunk ``[start, end)`` that belong to anchor windows ``[b - R, b)`` (``R`` =
-        :attr:`~deploy.replay_layer.ReplayPlan.rows`) of boundaries ``b`` this request computes
+        :attr:`~deploy.replay_plan.ReplayPlan.rows`) of boundaries ``b`` this request computes
         the whole window of, prompt boundaries only unless ``anchor_decode_pages``, skipping pages
         already anchored (a decode page's key is known only once its last token is in)."""
         request_id, block, rows = request.request_id, self.block_size, PLAN.rows

@@ -13,18 +13,18 @@ Inside vLLM's forward (0.32/0.33, CPU platform, eager), nothing of vLLM is chang
 
 * :class:`ReplayQwen3Next` is vLLM's ``Qwen3NextForCausalLM``, registered under the same
   architecture through vLLM's model registry (:func:`register_replay_model`, called by
-  :func:`deploy.replay_layer.register_replay_layer`). Built, it hands :data:`~deploy.replay_layer.PLAN`
+  :func:`deploy.replay_layer.register_replay_layer`). Built, it hands :data:`~deploy.replay_plan.PLAN`
   its decoder stack and puts a forward pre-hook on every decoder layer: the residual stream is the
   decoder layer's input, which no GDN layer sees (vLLM's decoder layer fuses the residual add into
   ``input_layernorm`` and passes its GDN layer the normalised rows only).
-* **capture** (a decoder layer in :attr:`ReplayPlan.residual <deploy.replay_layer.ReplayPlan>`):
+* **capture** (a decoder layer in :attr:`ReplayPlan.residual <deploy.replay_plan.ReplayPlan>`):
   the hook copies the rows ``hidden_states + residual`` of the plan's anchor windows, found as the
   token-wise capture finds them (the request's slot in the layer's GDN metadata).
 * **rebuild** (a decoder layer that starts a span, :attr:`ReplayPlan.spans`): for every request
-  with a planned :class:`~deploy.replay_layer.Rebuild`, the hook runs the span's decoder layers
+  with a planned :class:`~deploy.replay_plan.Rebuild`, the hook runs the span's decoder layers
   (their own ``forward``: norms, GDN, attention, MoE) over the ``R`` rows at positions
   ``B - R .. B - 1``, with this layer's anchors or the suffix tokens' embeddings as input, under
-  substituted metadata (:func:`~deploy.replay_layer.substituted_metadata`): each GDN layer a
+  substituted metadata (:func:`~deploy.replay_plan.substituted_metadata`): each GDN layer a
   one-request prefill from a zero state into the request's slot of its own group (the token-wise
   rebuild's), each attention layer a one-request causal attention over the suffix alone, whose
   keys and values go to the request's attention block at ``B`` (its first block after the hit,
@@ -52,7 +52,7 @@ from vllm.model_executor.models.qwen3_next import Qwen3NextForCausalLM  # noqa: 
 from vllm.model_executor.models.registry import ModelRegistry  # noqa: E402
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadata  # noqa: E402
 
-from deploy.replay_layer import (  # noqa: E402
+from deploy.replay_plan import (  # noqa: E402
     PLAN,
     Rebuild,
     gdn_metadata,

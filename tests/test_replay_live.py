@@ -106,7 +106,7 @@ def test_a_hit_resumes_at_the_attention_hit_where_vllm_without_a_state_recompute
 
 @live
 def test_anchors_stay_within_their_budget(llm):
-    from deploy.replay_layer import PLAN
+    from deploy.replay_plan import PLAN
     from deploy.replay_scheduler import SuffixReplayScheduler
 
     config = llm.llm_engine.vllm_config.model_config
@@ -126,7 +126,7 @@ def test_misconfigurations_are_refused_with_a_reason(llm):
     from vllm.config.compilation import CompilationMode
 
     from deploy.engine_rounds import install_scheduler
-    from deploy.replay_layer import PLAN
+    from deploy.replay_plan import PLAN
     from deploy.replay_scheduler import SuffixReplayScheduler
 
     with pytest.raises(ValueError, match="at most the block size"):
@@ -196,7 +196,7 @@ def replay_layers(llm) -> list:
 
 def scheduler_gdn_layers(llm) -> list[int]:
     """The GDN layer indices of the engine's model (its ReplayGDN layers)."""
-    from deploy.replay_layer import PLAN
+    from deploy.replay_plan import PLAN
 
     return sorted(PLAN.layers.values())
 
@@ -246,7 +246,7 @@ def test_a_later_turn_resumes_on_a_page_the_first_turn_reached_while_decoding(ll
     from vllm.v1.core.sched.scheduler import Scheduler
 
     from deploy.engine_rounds import install_scheduler
-    from deploy.replay_layer import PLAN
+    from deploy.replay_plan import PLAN
     from deploy.replay_scheduler import SuffixReplayScheduler
 
     block = block_size(llm)
@@ -287,7 +287,7 @@ def layer_wise_anchors(llm) -> list[int]:
 
 def gdn_states(llm, blocks: dict[int, int]) -> dict[int, list]:
     """GDN layer -> copies of its (conv, recurrent) state in block ``blocks[layer]`` (float32)."""
-    from deploy.replay_layer import PLAN
+    from deploy.replay_plan import PLAN
 
     modules = {PLAN.layers[m.prefix]: m for m in replay_layers(llm)}
     return {layer: [t[block].float().clone() for t in modules[layer].kv_cache] for layer, block in blocks.items()}
@@ -298,7 +298,7 @@ def kept_state_blocks(llm, scheduler, prompt, pages: int) -> dict[int, int]:
     from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 
     from deploy.model_free import vllm_requests
-    from deploy.replay_layer import layer_index
+    from deploy.replay_plan import layer_index
     from traces import Request, Trace
 
     request = vllm_requests(Trace("t", [Request("x", 0.0, len(prompt), 1, token_ids=np.asarray(prompt))]),
@@ -311,7 +311,7 @@ def kept_state_blocks(llm, scheduler, prompt, pages: int) -> dict[int, int]:
 
 
 def scheduler_gdn_prefixes() -> set[str]:
-    from deploy.replay_layer import PLAN
+    from deploy.replay_plan import PLAN
 
     return set(PLAN.layers)
 
@@ -329,7 +329,7 @@ def test_layer_wise_replay_from_the_sequence_start_rebuilds_vllms_own_states(llm
     from vllm.v1.core.sched.scheduler import Scheduler
 
     import deploy.replay_span as span
-    from deploy.replay_layer import PLAN
+    from deploy.replay_plan import PLAN
     from deploy.replay_scheduler import SuffixReplayScheduler
 
     block = block_size(llm)

@@ -29,7 +29,7 @@ def make_scheduler():
     layout (its GDN layers declared replayable for the duration), no exact state kept."""
     from deploy.hybrid_placement import HybridPlacementConfig
     from deploy.model_free import model_free_scheduler
-    from deploy.replay_layer import PLAN
+    from deploy.replay_plan import PLAN
     from deploy.replay_scheduler import SuffixReplayConfig, SuffixReplayScheduler
     from feather_gym.hybrid.model import ensure_hybrid_hf
 
@@ -51,7 +51,7 @@ def planned_captures(scheduler, prompt_tokens: int, output_tokens: int = 1, pend
     plans while serving one prompt to its end; with ``pending``, each incomplete window is put in
     the plan's ``pending`` as a layer would leave it (the last check: none is left behind)."""
     from deploy.model_free import ModelFreeEngine, vllm_requests
-    from deploy.replay_layer import PLAN
+    from deploy.replay_plan import PLAN
     from traces import Request, Trace
 
     tokens = np.random.default_rng(0).integers(100, 20000, size=prompt_tokens)
@@ -74,7 +74,7 @@ def planned_captures(scheduler, prompt_tokens: int, output_tokens: int = 1, pend
 
 
 def test_the_gate_memory_split_captures_whole_pages_and_uniform_its_tail(make_scheduler):
-    from deploy.replay_layer import PLAN
+    from deploy.replay_plan import PLAN
 
     uniform = make_scheduler(replay_tokens=16)
     assert (PLAN.rows, PLAN.measure_memory) == (16, False)
@@ -90,7 +90,7 @@ def test_each_page_is_split_by_its_gate_memory_and_stored_with_exact_bytes_per_l
     from prometheus_client import REGISTRY
 
     from deploy.model_free import ModelFreeEngine
-    from deploy.replay_layer import PLAN
+    from deploy.replay_plan import PLAN
     from feather_gym.hybrid.suffix_replay import allocate_replay_tokens
 
     scheduler = make_scheduler(replay_tokens=16, replay_split="gate_memory")
@@ -147,7 +147,7 @@ def test_pages_reached_while_decoding_are_captured_a_row_per_step_once_enabled(m
 
 def test_a_layer_assembles_a_window_in_order_and_drops_one_it_saw_only_part_of():
     """``ReplayPlan.capture`` for layer 0: the window's rows arrive over steps."""
-    from deploy.replay_layer import PLAN, Capture
+    from deploy.replay_plan import PLAN, Capture
 
     saved = PLAN.rows
     PLAN.rows = 4
@@ -181,7 +181,7 @@ def test_layer_wise_spans_start_at_the_anchored_layers_and_below_them_at_the_tok
 @pytest.fixture
 def decoder_stack():
     """Layer-wise replay needs the engine's decoder stack in the plan; model-free, a stand-in."""
-    from deploy.replay_layer import PLAN
+    from deploy.replay_plan import PLAN
 
     saved, PLAN.model = PLAN.model, object()
     yield
@@ -190,7 +190,7 @@ def decoder_stack():
 
 
 def test_layer_wise_replay_keeps_residual_anchors_at_the_anchored_layers_only(make_scheduler, decoder_stack):
-    from deploy.replay_layer import PLAN
+    from deploy.replay_plan import PLAN
 
     uniform = make_scheduler(replay_tokens=16)
     layer_wise = make_scheduler(replay_tokens=16, anchor_layers=[1])
@@ -226,7 +226,7 @@ def test_layer_wise_refusals():
 
 
 def test_a_layer_wise_scheduler_needs_the_decoder_stack(make_scheduler, monkeypatch):
-    from deploy.replay_layer import PLAN
+    from deploy.replay_plan import PLAN
 
     monkeypatch.setattr(PLAN, "model", None)               # no engine built a ReplayQwen3Next
     with pytest.raises(ValueError, match="register_replay_layer"):
@@ -237,7 +237,7 @@ def planned_boundaries(scheduler, prompts) -> list[list[int]]:
     """Per prompt served one after another, the boundaries the scheduler plans to anchor (nothing
     is stored: no layer runs, so every hit recomputes from the start)."""
     from deploy.model_free import ModelFreeEngine, vllm_requests
-    from deploy.replay_layer import PLAN
+    from deploy.replay_plan import PLAN
     from traces import Request, Trace
 
     planned = []
