@@ -58,7 +58,7 @@ from deploy.replay_plan import (  # noqa: E402
     gdn_metadata,
     replay_metadata,
     request_rows,
-    substituted_metadata,  # noqa: E402
+    substituted_metadata,
 )
 
 ARCHITECTURE = "Qwen3NextForCausalLM"
@@ -103,16 +103,17 @@ def _decoder_hook(index: int):
 
 
 def _capture_and_rebuild(index: int, hidden: torch.Tensor, residual: torch.Tensor | None, metadata) -> None:
-    stream = hidden if residual is None else hidden + residual           # this decoder layer's input
+    """Decoder layer ``index``'s captures (rows of its input, the residual stream ``hidden +
+    residual``) and the rebuilds of the span it starts, for every request in ``metadata``."""
     for slot, first in request_rows(metadata):
         if index in PLAN.residual:
             for capture in PLAN.captures.get(slot, ()):
-                rows = stream[first + capture.chunk_row: first + capture.chunk_row + capture.count]
-                PLAN.capture(index, capture, rows)
+                lo, hi = first + capture.chunk_row, first + capture.chunk_row + capture.count
+                PLAN.capture(index, capture, hidden[lo:hi] if residual is None else hidden[lo:hi] + residual[lo:hi])
         rebuild = PLAN.rebuilds.get(slot)
         if rebuild is not None and index in PLAN.spans:
             started = time.perf_counter()
-            PLAN.rebuilt_states += replay_span(index, PLAN.spans[index], rebuild, stream.dtype)
+            PLAN.rebuilt_states += replay_span(index, PLAN.spans[index], rebuild, hidden.dtype)
             PLAN.rebuild_s += time.perf_counter() - started
 
 
