@@ -6,7 +6,7 @@ built afterwards in this process. Call it **before** the engine starts; without 
 :class:`ReplayGDN` is vLLM's layer unchanged (it computes exactly what vLLM's does).
 
 The scheduler (:mod:`deploy.replay_scheduler`) and the layers share one in-process
-:data:`PLAN`, so the engine must run in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the
+:data:`~deploy.replay_plan.PLAN`, so the engine must run in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the
 uniproc executor; vLLM's CPU platform schedules synchronously, so a step's plan is written by
 ``schedule()`` and read by that step's forward). A plan entry is addressed by the request's
 running recurrent-state slot (its block id in the GDN group's table), which the layer finds in
@@ -17,11 +17,12 @@ In one forward, each :class:`ReplayGDN` layer, before its own computation:
 
 * **captures**: copies the rows of its input hidden states (post ``input_layernorm``, the same
   definition as :mod:`feather_gym.hybrid.suffix_replay`) that the plan marks as anchors of a page
-  boundary, into :attr:`ReplayPlan.captured` once the boundary's window of anchors is complete
-  (a window that spans several steps, e.g. one reached while decoding, is assembled in
-  :attr:`ReplayPlan.pending` a chunk at a time), and with :attr:`ReplayPlan.measure_memory` its gate
-  memory over those rows (:meth:`ReplayGDN.gate_memory`), from which the scheduler splits the
-  page's replay budget between layers;
+  boundary, into :attr:`~deploy.replay_plan.ReplayPlan.captured` once the boundary's window of
+  anchors is complete (a window that spans several steps, e.g. one reached while decoding, is
+  assembled in :attr:`~deploy.replay_plan.ReplayPlan.pending` a chunk at a time), and with
+  :attr:`~deploy.replay_plan.ReplayPlan.measure_memory` its gate memory over those rows
+  (:meth:`ReplayGDN.gate_memory`), from which the scheduler splits the page's replay budget
+  between layers;
 * **rebuilds**: for each planned slot, runs *its own* ``forward_cpu`` (the same module, through
   vLLM's CPU GDN kernels) over the boundary's anchors with a one-request prefill metadata
   whose ``has_initial_state`` is False: the kernel zeroes the slot, then leaves the state after
@@ -42,10 +43,7 @@ the scheduler call it before anything else) until another platform has a replay 
 
 from __future__ import annotations
 
-import re
 import time
-from contextlib import contextmanager
-from dataclasses import dataclass, field
 
 import torch
 
@@ -54,105 +52,24 @@ from feather_gym.hybrid.suffix_replay import gate_memory_tokens, gdn_log_decay
 
 require_supported_vllm()  # before touching vLLM internals
 
-from vllm.forward_context import get_forward_context  # noqa: E402
 from vllm.model_executor.custom_op import PluggableLayer, op_registry_oot  # noqa: E402
 from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import QwenGatedDeltaNetAttention  # noqa: E402
 from vllm.platforms import current_platform  # noqa: E402
 from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata  # noqa: E402
 
-_LAYER_INDEX = re.compile(r"layers\.(\d+)\.")
-
-
-@dataclass(frozen=True)
-class Capture:
-    """Copy ``count`` input rows from ``chunk_row`` on (offsets within the request's scheduled
-    chunk) into rows ``anchor_row ..`` of the anchors of ``window`` (the scheduler's id of one
-    page boundary of one request; :attr:`ReplayPlan.rows` rows in all). ``key`` set: these are its
-    last rows, and the anchors are complete, as those of the page ``key``."""
-
-    window: object
-    chunk_row: int
-    count: int
-    anchor_row: int = 0
-    key: object = None
-
-
-@dataclass
-class ReplayPlan:
-    """What this step's forward does besides vLLM's work (written by the scheduler).
-
-    ``rebuilds``: running-state slot -> ``{GDN layer index: anchors [R, hidden]}``;
-    ``captures``: running-state slot -> the :class:`Capture` list of that request's chunk;
-    ``captured``: page key -> ``{GDN layer index: anchors}``, filled by the layers (each window
-    completed in one step is there after that step's forward); ``pending``: window -> ``{GDN
-    layer index: (anchors, rows filled)}`` of windows still incomplete (the scheduler drops a
-    request's when it leaves); ``rows``: anchors captured per layer and page; with ``measure_memory``,
-    ``memory``: page key -> ``{GDN layer index: gate memory in tokens over the captured rows}``.
-    ``layers`` records every :class:`ReplayGDN` built in this process (prefix -> GDN layer index);
-    ``rebuilt_states`` and ``rebuild_s`` count the (layer, slot) states rebuilt and their wall time.
-    """
-
-    rows: int = 0
-    measure_memory: bool = False
-    rebuilds: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)
-    captures: dict[int, list[Capture]] = field(default_factory=dict)
-    captured: dict[object, dict[int, torch.Tensor]] = field(default_factory=dict)
-    pending: dict[object, dict[int, tuple[torch.Tensor, int]]] = field(default_factory=dict)
-    memory: dict[object, dict[int, float]] = field(default_factory=dict)
-    layers: dict[str, int] = field(default_factory=dict)
-    rebuilt_states: int = 0
-    rebuild_s: float = 0.0
-
-    @property
-    def idle(self) -> bool:
-        return not (self.rebuilds or self.captures)
-
-    def clear_step(self) -> None:
-        """Forget this step's work (``captured`` stays until the scheduler takes it)."""
-        self.rebuilds, self.captures = {}, {}
-
-    def take_captured(self) -> tuple[dict[object, dict[int, torch.Tensor]], dict[object, dict[int, float]]]:
-        """The anchors captured since the last call, and their layers' gate memory (empty unless measured)."""
-        captured, memory, self.captured, self.memory = self.captured, self.memory, {}, {}
-        return captured, memory
-
-
-#: The one plan of this process (see the module docstring).
-PLAN = ReplayPlan()
-
-
-def layer_index(prefix: str) -> int:
-    """The decoder-layer index in a vLLM layer prefix (``model.layers.3.linear_attn`` -> 3)."""
-    match = _LAYER_INDEX.search(prefix)
-    if match is None:
-        raise ValueError(f"cannot read a layer index from the layer prefix {prefix!r}")
-    return int(match.group(1))
-
-
-def replay_metadata(slot: int, num_tokens: int) -> GDNAttentionMetadata:
-    """GDN metadata of one prefill of ``num_tokens`` tokens from a zero state into ``slot``."""
-    return GDNAttentionMetadata(
-        num_prefills=1, num_prefill_tokens=num_tokens, num_decodes=0, num_decode_tokens=0,
-        num_spec_decodes=0, num_spec_decode_tokens=0, num_actual_tokens=num_tokens,
-        has_initial_state=torch.zeros(1, dtype=torch.bool),
-        non_spec_query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32),
-        non_spec_state_indices_tensor=torch.tensor([slot], dtype=torch.int32))
-
-
-@contextmanager
-def _metadata(prefix: str, metadata: GDNAttentionMetadata):
-    """This layer's forward-context metadata replaced by ``metadata`` for the duration."""
-    context = get_forward_context().attn_metadata
-    saved = context[prefix]
-    context[prefix] = metadata
-    try:
-        yield
-    finally:
-        context[prefix] = saved
+from deploy.replay_plan import (  # noqa: E402
+    PLAN,
+    gdn_metadata,
+    layer_index,
+    replay_metadata,
+    request_rows,
+    substituted_metadata,
+)
+from deploy.replay_span import register_replay_model  # noqa: E402
 
 
 class ReplayGDN(QwenGatedDeltaNetAttention):
-    """vLLM's Qwen Gated DeltaNet layer, plus the captures and rebuilds of :data:`PLAN`."""
+    """vLLM's Qwen Gated DeltaNet layer, plus the captures and rebuilds of :data:`~deploy.replay_plan.PLAN`."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -160,52 +77,27 @@ class ReplayGDN(QwenGatedDeltaNetAttention):
         PLAN.layers[self.prefix] = self.gdn_layer
 
     def forward_cpu(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        if not PLAN.idle:
-            metadata = get_forward_context().attn_metadata
-            metadata = metadata.get(self.prefix) if isinstance(metadata, dict) else None
-            if isinstance(metadata, GDNAttentionMetadata) and metadata.non_spec_state_indices_tensor is not None:
+        if not PLAN.idle and not PLAN.spans:                   # layer-wise: the decoder layers' hooks do it
+            metadata = gdn_metadata(self.prefix)
+            if metadata is not None:
                 self._capture_and_rebuild(hidden_states, metadata)
         return super().forward_cpu(hidden_states)
 
     def _capture_and_rebuild(self, hidden_states: torch.Tensor, metadata: GDNAttentionMetadata) -> None:
-        slots = metadata.non_spec_state_indices_tensor.tolist()
-        starts = metadata.non_spec_query_start_loc.tolist()
-        for i, slot in enumerate(slots):
+        for slot, first in request_rows(metadata):
             for capture in PLAN.captures.get(slot, ()):
-                first = starts[i] + capture.chunk_row
-                self._capture(capture, hidden_states[first: first + capture.count])
-            anchors = PLAN.rebuilds.get(slot, {}).get(self.gdn_layer)
-            if anchors is not None:
+                rows = hidden_states[first + capture.chunk_row: first + capture.chunk_row + capture.count]
+                anchors = PLAN.capture(self.gdn_layer, capture, rows)
+                if anchors is not None and PLAN.measure_memory:
+                    PLAN.memory.setdefault(capture.key, {})[self.gdn_layer] = self.gate_memory(anchors)
+            rebuild = PLAN.rebuilds.get(slot)
+            if rebuild is not None:
                 started = time.perf_counter()
-                with _metadata(self.prefix, replay_metadata(slot, anchors.size(0))):
+                anchors = rebuild.anchors[self.gdn_layer]
+                with substituted_metadata({self.prefix: replay_metadata(slot, anchors.size(0))}):
                     super().forward_cpu(anchors.to(hidden_states.dtype))
                 PLAN.rebuild_s += time.perf_counter() - started
                 PLAN.rebuilt_states += 1
-
-    def _capture(self, capture: Capture, rows: torch.Tensor) -> None:
-        """Copy ``rows`` into the window's anchors; a complete window goes to :attr:`ReplayPlan.captured`.
-        A window whose rows do not arrive in order from its first (a part this layer never saw) is
-        dropped, never completed with rows missing."""
-        if capture.count == PLAN.rows:                      # the whole window in this chunk
-            anchors = rows.clone()
-        else:
-            partial = PLAN.pending.setdefault(capture.window, {})
-            anchors, filled = partial.pop(self.gdn_layer, (None, 0))
-            if filled != capture.anchor_row:
-                if not partial:
-                    del PLAN.pending[capture.window]
-                return
-            if anchors is None:
-                anchors = rows.new_empty((PLAN.rows, rows.size(1)))
-            anchors[filled: filled + capture.count] = rows
-            if capture.key is None:
-                partial[self.gdn_layer] = (anchors, filled + capture.count)
-                return
-            if not partial:
-                del PLAN.pending[capture.window]
-        PLAN.captured.setdefault(capture.key, {})[self.gdn_layer] = anchors
-        if PLAN.measure_memory:
-            PLAN.memory.setdefault(capture.key, {})[self.gdn_layer] = self.gate_memory(anchors)
 
     def gate_memory(self, rows: torch.Tensor) -> float:
         """This layer's gate memory (:func:`~feather_gym.hybrid.suffix_replay.gate_memory_tokens`,
@@ -239,8 +131,10 @@ def require_replay_platform(platform=None) -> None:
 
 def register_replay_layer(platform=None) -> None:
     """Have vLLM build :class:`ReplayGDN` wherever a model asks for ``QwenGatedDeltaNetAttention``,
+    and :class:`~deploy.replay_span.ReplayQwen3Next` (layer-wise replay's hooks) for Qwen3-Next,
     for every engine started afterwards in this process (idempotent); refused on a ``platform``
     without a replay path (:func:`require_replay_platform`)."""
     require_replay_platform(platform)
     if op_registry_oot.get(QwenGatedDeltaNetAttention.__name__) is not ReplayGDN:
         PluggableLayer.register_oot(ReplayGDN, name=QwenGatedDeltaNetAttention.__name__)
+    register_replay_model()

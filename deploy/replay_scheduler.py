@@ -58,6 +58,8 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import torch
+
 from deploy.vllm_compat import local_prefix_cache_hit, prefix_cache_hit_limit, require_supported_vllm
 
 require_supported_vllm()  # before touching vLLM internals
@@ -66,10 +68,12 @@ from vllm.config.compilation import CompilationMode  # noqa: E402
 from vllm.utils.math_utils import cdiv  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 
-from cache_core.hybrid.anchor_store import DTYPES, AnchorStore  # noqa: E402
+from cache_core.hybrid.anchor_store import DTYPES, EVICTIONS, AnchorStore  # noqa: E402
 from deploy.hybrid_placement import HybridPlacementMixin  # noqa: E402
 from deploy.plugin_config import config_section  # noqa: E402
-from deploy.replay_layer import PLAN, Capture, layer_index, require_replay_platform  # noqa: E402
+from deploy.replay_layer import require_replay_platform  # noqa: E402
+from deploy.replay_plan import PLAN, Capture, Rebuild, layer_index  # noqa: E402
+from deploy.replay_span import layer_spans, require_moe_layers_by_name  # noqa: E402
 from deploy.scheduler import FeatherSchedulingMixin  # noqa: E402
 from feather_gym.hybrid.suffix_replay import allocate_replay_tokens  # noqa: E402
 
@@ -78,6 +82,7 @@ logger = logging.getLogger(__name__)
 #: The ``additional_config`` key holding :class:`SuffixReplayConfig` fields.
 ADDITIONAL_CONFIG_KEY = "feather_replay"
 REPLAY_SPLITS = ("uniform", "gate_memory")
+ANCHOR_PAGES = ("every", "expected")
 
 
 @dataclass(frozen=True)
@@ -86,13 +91,25 @@ class SuffixReplayConfig:
     ``replay_split="gate_memory"`` their mean, split between layers per page by gate memory),
     ``anchor_budget_bytes`` for all anchors together, stored as ``anchor_dtype``;
     ``anchor_decode_pages``: anchor the page boundaries reached while decoding as well as the
-    prompt's."""
+    prompt's; ``anchor_layers`` (layer-wise sparsity, :mod:`deploy.replay_span`): unset, every GDN
+    layer keeps anchors of its own input; a list of GDN decoder layers, only those keep anchors (of
+    the residual stream) and the others are rebuilt through the decoder layers over the suffix,
+    those below the lowest anchored one from the suffix tokens; empty, no anchors at all (the last
+    ``replay_tokens`` tokens before any page boundary of an attention hit recomputed through every
+    layer). ``anchor_pages``: ``"every"`` prompt page, or ``"expected"``, only where reuse is
+    expected (its branch point, its family's DP positions and past branch points, the prompt's last
+    page; :meth:`SuffixReplayMixin.expected_boundaries`); ``anchor_eviction``: ``"lru"`` or
+    ``"utility"`` (expected reuse x recompute saved per byte,
+    :class:`~cache_core.hybrid.anchor_store.AnchorStore`)."""
 
     replay_tokens: int = 64
     anchor_budget_bytes: int = 64 * 2**20
     anchor_dtype: str = "bfloat16"
     replay_split: str = "uniform"
     anchor_decode_pages: bool = False
+    anchor_layers: tuple[int, ...] | None = None
+    anchor_pages: str = "every"
+    anchor_eviction: str = "lru"
 
     def __post_init__(self) -> None:
         if self.replay_tokens < 1:
@@ -101,11 +118,48 @@ class SuffixReplayConfig:
             raise ValueError(f"feather_replay.anchor_dtype must be one of {sorted(DTYPES)}, got {self.anchor_dtype!r}")
         if self.replay_split not in REPLAY_SPLITS:
             raise ValueError(f"feather_replay.replay_split must be one of {REPLAY_SPLITS}, got {self.replay_split!r}")
+        if self.anchor_pages not in ANCHOR_PAGES:
+            raise ValueError(f"feather_replay.anchor_pages must be one of {ANCHOR_PAGES}, got {self.anchor_pages!r}")
+        if self.anchor_eviction not in EVICTIONS:
+            raise ValueError(f"feather_replay.anchor_eviction must be one of {EVICTIONS}, "
+                             f"got {self.anchor_eviction!r}")
+        if self.anchor_layers is not None:
+            object.__setattr__(self, "anchor_layers", tuple(sorted({int(layer) for layer in self.anchor_layers})))
+            if self.replay_split != "uniform":
+                raise ValueError("feather_replay.replay_split splits a page's budget between GDN layers that each "
+                                 "keep anchors: it needs anchor_layers unset (token-wise replay)")
 
     @classmethod
     def from_additional_config(cls, additional_config: Mapping | None) -> SuffixReplayConfig:
         """Read ``additional_config["feather_replay"]``; unknown keys raise ``ValueError``."""
         return cls(**config_section(cls, additional_config, ADDITIONAL_CONFIG_KEY))
+
+
+class NoAnchors:
+    """The anchor store of layer-wise replay with no anchored layer: nothing is kept, and every
+    page boundary is resumable (its suffix is recomputed from its tokens)."""
+
+    replay_tokens: dict[int, int] = {}
+    layer_bytes: dict[int, int] = {}
+    used_bytes = budget_bytes = entry_bytes = evictions = 0
+
+    def __contains__(self, key) -> bool:
+        return True
+
+    def get(self, key) -> dict:
+        return {}
+
+    def deepest_hit(self, keys) -> int:
+        return len(keys) - 1
+
+    def mean_replay_tokens(self) -> dict[int, float]:
+        return {}
+
+    def __len__(self) -> int:
+        return 0
+
+    def __iter__(self):
+        return iter(())
 
 
 class SuffixReplayMixin:
@@ -127,7 +181,9 @@ class SuffixReplayMixin:
             raise ValueError("SuffixReplay needs an eager engine (enforce_eager=True): a compiled forward "
                              "traces the GDN layer once and would never see a replay plan")
         groups = self.kv_cache_config.kv_cache_groups
-        gdn_layers = {layer_index(name) for gid in self._mamba for name in groups[gid].layer_names}
+        #: KV cache group -> its decoder layers.
+        self._group_layers = {gid: [layer_index(name) for name in g.layer_names] for gid, g in enumerate(groups)}
+        gdn_layers = {layer for gid in self._mamba for layer in self._group_layers[gid]}
         missing = sorted(name for gid in self._mamba for name in groups[gid].layer_names if name not in PLAN.layers)
         if missing:
             raise ValueError(f"SuffixReplay needs its GDN layer in the engine's process, but {missing} are "
@@ -136,17 +192,29 @@ class SuffixReplayMixin:
                              "the model in the scheduler's process (VLLM_ENABLE_V1_MULTIPROCESSING=0)")
         model_config = self.vllm_config.model_config
         split = config.replay_split == "gate_memory"
+        PLAN.spans, PLAN.residual = {}, frozenset()
+        anchored = gdn_layers
+        if config.anchor_layers is not None:
+            if PLAN.model is None:
+                raise ValueError("layer-wise SuffixReplay needs the model's decoder layers: call "
+                                 "deploy.replay_layer.register_replay_layer() before the engine starts")
+            require_moe_layers_by_name(self.vllm_config.compilation_config)
+            PLAN.spans = layer_spans(model_config.hf_config.layer_types, list(config.anchor_layers))
+            PLAN.residual = frozenset(anchored := config.anchor_layers)
         self.anchors = AnchorStore(config.anchor_budget_bytes, hidden_size=model_config.get_hidden_size(),
-                                   replay_tokens={layer: config.replay_tokens for layer in gdn_layers},
-                                   page_tokens=block, dtype=config.anchor_dtype, split_rows=split)
+                                   replay_tokens={layer: config.replay_tokens for layer in anchored},
+                                   page_tokens=block, dtype=config.anchor_dtype, split_rows=split,
+                                   eviction=config.anchor_eviction) if anchored else NoAnchors()
         #: The fewest anchors a layer gets when split: enough for an exact convolution state.
         self.min_layer_replay_tokens = min(model_config.hf_config.linear_conv_kernel_dim, config.replay_tokens)
         PLAN.rows = block if split else config.replay_tokens      # split: the page's rows, then each layer's tail
         PLAN.measure_memory = split
         self._forget_plan()
         PLAN.rebuilt_states, PLAN.rebuild_s = 0, 0.0
-        self._rebuild_at: dict[str, tuple[int, dict]] = {}      # request id -> (tokens gained, anchors), this step
+        self._rebuild_at: dict[str, tuple[int, int]] = {}     # request id -> (tokens gained, boundary), this step
         self._computed: dict[str, tuple[int, int]] = {}        # request id -> [first, end) computed in one run
+        self._expected: dict[str, frozenset[int]] = {}         # request id -> its expected_boundaries
+        self._depths: dict = {}                                # page key -> its boundary, windows ending this step
         self.replay_hits = 0
         self.replay_tokens_resumed = 0        # tokens a replay hit did not recompute beyond vLLM's state hit
 
@@ -165,14 +233,14 @@ class SuffixReplayMixin:
         coordinator = self.kv_cache_manager.coordinator
         computed, hits = coordinator.find_longest_cache_hit_per_group(
             request.block_hashes, prefix_cache_hit_limit(request, max_cache_hit_length))
-        block = self.block_size
-        boundary = next((b * block for b in range(hits[coordinator.full_attention_group_id] // block,
-                                                   num_local // block, -1)
+        block, matched = self.block_size, hits[coordinator.full_attention_group_id]
+        if self.replay_config.anchor_pages == "expected":
+            self._expected[request.request_id] = self.expected_boundaries(request, matched)
+        boundary = next((b * block for b in range(matched // block, num_local // block, -1)
                          if self._page_key(request, b * block) in self.anchors), 0)
         if not boundary:
             return blocks, num_local, junction, diverged
-        anchors = self.anchors.get(self._page_key(request, boundary))
-        self._rebuild_at[request.request_id] = (boundary - num_local, anchors)
+        self._rebuild_at[request.request_id] = (boundary - num_local, boundary)
         null = self.kv_cache_manager.block_pool.null_block
         rows = tuple([null] * (boundary // block - 1) if gid in self._mamba else group[:boundary // block]
                      for gid, group in enumerate(computed))
@@ -189,7 +257,7 @@ class SuffixReplayMixin:
         return [block_ids[gid][cdiv(num_tokens, self.block_size) - 1] for gid in self._mamba]
 
     def _plan(self, output) -> None:
-        """This step's rebuilds and anchor captures, for :data:`~deploy.replay_layer.PLAN`."""
+        """This step's rebuilds and anchor captures, for :data:`~deploy.replay_plan.PLAN`."""
         PLAN.clear_step()
         for request_id, count in output.num_scheduled_tokens.items():
             request = self.requests[request_id]
@@ -201,19 +269,48 @@ class SuffixReplayMixin:
             if rebuild is not None:                             # counted once scheduled, not per lookup
                 self.replay_hits += 1
                 self.replay_tokens_resumed += rebuild[0]
+                rebuild = self._rebuild(request, end, rebuild[1])
             for slot in self._running_slots(request_id, end):
                 if rebuild is not None:
-                    PLAN.rebuilds[slot] = rebuild[1]
+                    PLAN.rebuilds[slot] = rebuild
                 if captures:
                     PLAN.captures[slot] = captures
         self._rebuild_at.clear()                                # looked up but not scheduled: look up again
 
+    def expected_boundaries(self, request, matched: int) -> frozenset[int]:
+        """The prompt boundaries (tokens) where ``request``'s anchors are expected to be reused, given
+        its attention hit of ``matched`` tokens: that hit's end (the branch point where it leaves
+        cached text), the placement DP's positions and the overlap depths observed before in its
+        prefix family (where earlier hits ended, :class:`~cache_core.hybrid.rooted_placement.RootedPlacement`),
+        and its prompt's last page (which a resend or a longer next turn resumes from)."""
+        block, root = self.block_size, self.root(request)
+        pages = self.placement.chosen(root) | self.placement.observed(root)
+        return frozenset({b * block for b in pages} | {matched // block * block,
+                                                       request.num_prompt_tokens // block * block})
+
+    def _rebuild(self, request, end: int, boundary: int) -> Rebuild:
+        """The :class:`Rebuild` of ``request``'s hit at ``boundary`` (it holds ``end`` tokens once
+        this step is computed; the hit counts as one use of the page's anchors); layer-wise, with
+        the suffix tokens and each layer's block."""
+        anchors = self.anchors.get(self._page_key(request, boundary))
+        if not PLAN.spans:
+            return Rebuild(anchors)
+        rows = next(iter(anchors.values())).size(0) if anchors else min(self.replay_config.replay_tokens, boundary)
+        block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
+        index = {gid: cdiv(end, self.block_size) - 1 if gid in self._mamba else boundary // self.block_size
+                 for gid in self._group_layers}             # the running state; the block at the boundary
+        blocks = {layer: block_ids[gid][index[gid]] for gid, layers in self._group_layers.items() for layer in layers}
+        tokens = torch.tensor(request.all_token_ids[boundary - rows: boundary], dtype=torch.int64)
+        return Rebuild(anchors, tokens=tokens, boundary=boundary, blocks=blocks)
+
     def _captures(self, request, start: int, end: int) -> list[Capture]:
         """The rows of chunk ``[start, end)`` that belong to anchor windows ``[b - R, b)`` (``R`` =
-        :attr:`~deploy.replay_layer.ReplayPlan.rows`) of boundaries ``b`` this request computes
+        :attr:`~deploy.replay_plan.ReplayPlan.rows`) of boundaries ``b`` this request computes
         the whole window of, prompt boundaries only unless ``anchor_decode_pages``, skipping pages
         already anchored (a decode page's key is known only once its last token is in)."""
         request_id, block, rows = request.request_id, self.block_size, PLAN.rows
+        if not self.anchors.replay_tokens:
+            return []
         first, done = self._computed.get(request_id, (start, None))
         if done != start:                         # its first chunk, or recomputing after a preemption
             first = start
@@ -222,11 +319,15 @@ class SuffixReplayMixin:
         last = end + rows - 1 if self.replay_config.anchor_decode_pages else min(end + rows - 1,
                                                                                  request.num_prompt_tokens)
         captures = []
+        expected = self._expected.get(request_id)
         for b in range(cdiv(max(start + 1, first + rows), block) * block, last + 1, block):
             key = self._page_key(request, b) if b <= request.num_tokens else None
-            if key is not None and key in self.anchors:
+            if key is not None and key in self.anchors or (
+                    expected is not None and b <= request.num_prompt_tokens and b not in expected):
                 continue
             lo, hi = max(start, b - rows), min(end, b)
+            if hi == b:
+                self._depths[key] = b
             captures.append(Capture((request_id, b), chunk_row=lo - start, count=hi - lo, anchor_row=lo - b + rows,
                                     key=key if hi == b else None))
         return captures
@@ -238,15 +339,17 @@ class SuffixReplayMixin:
 
     def _free_request(self, request, delay_free_blocks: bool = False):
         self._computed.pop(request.request_id, None)
+        self._expected.pop(request.request_id, None)
         self._drop_pending(request.request_id)
         return super()._free_request(request, delay_free_blocks)
 
     def update_from_output(self, scheduler_output, model_runner_output):
         result = super().update_from_output(scheduler_output, model_runner_output)
         captured, memory = PLAN.take_captured()
+        depths, self._depths = self._depths, {}          # every window with a key completes in its step
         for key, layers in captured.items():
             if len(layers) == len(self.anchors.replay_tokens):        # a layer that dropped its window: none
-                self.anchors.put(key, self._split(layers, memory[key]) if memory else layers)
+                self.anchors.put(key, self._split(layers, memory[key]) if memory else layers, saved=depths[key])
         PLAN.clear_step()
         self.metrics.replay(hits=self.replay_hits, rebuilt_states=PLAN.rebuilt_states, rebuild_s=PLAN.rebuild_s,
                             anchor_layer_bytes=self.anchors.layer_bytes)
@@ -281,6 +384,9 @@ class SuffixReplayMixin:
         """The placement plug-in's figures plus the anchors kept and the replay hits."""
         return {**super().feather_stats(), "replay_tokens": self.replay_config.replay_tokens,
                 "replay_split": self.replay_config.replay_split,
+                "anchor_layers": (None if self.replay_config.anchor_layers is None
+                                  else list(self.replay_config.anchor_layers)),
+                "anchor_pages": self.replay_config.anchor_pages, "anchor_eviction": self.replay_config.anchor_eviction,
                 "anchors_kept": len(self.anchors), "anchor_bytes": self.anchors.used_bytes,
                 "anchor_bytes_by_layer": {str(layer): b for layer, b in self.anchors.layer_bytes.items()},
                 "replay_tokens_by_layer_mean": {str(layer): r

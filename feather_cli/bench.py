@@ -174,6 +174,23 @@ def add_hybrid_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sides", default=",".join(SIDES), help=f"comma-separated subset of {','.join(SIDES)}")
     parser.add_argument("--replay-tokens", type=positive_int, default=DEFAULT_REPLAY_TOKENS,
                         help=f"SuffixReplay anchors per GDN layer and page (default {DEFAULT_REPLAY_TOKENS})")
+    parser.add_argument("--replay-split", default="uniform",
+                        help="replay sides: uniform (one R for every GDN layer, the default) or gate_memory (each "
+                             "page's budget split by the layers' gate memory)")
+    parser.add_argument("--anchor-decode-pages", action="store_true",
+                        help="replay sides: anchor the pages reached while decoding too")
+    parser.add_argument("--anchor-layers", default=None, metavar="LAYERS",
+                        help="replay sides, layer-wise: the GDN decoder layers that keep anchors, comma-separated "
+                             "('none': no anchors, the suffix recomputed from tokens; default: every GDN layer)")
+    parser.add_argument("--anchor-pages", default="every",
+                        help="replay sides: every (prompt page, the default) or expected (only where reuse is "
+                             "expected: branch points, DP positions, the prompt's last page)")
+    parser.add_argument("--anchor-eviction", default="lru",
+                        help="replay sides: lru (the default) or utility (the least expected reuse x recompute "
+                             "saved per byte goes first)")
+    parser.add_argument("--replay-variant", action="append", metavar="NAME:KEY=VALUE[,KEY=VALUE]",
+                        help="repeatable: one more anchors-only side 'replay:NAME' with these SuffixReplay settings "
+                             "over the flags above, e.g. 'lw:anchor_layers=[4],replay_tokens=16'")
     parser.add_argument("--anchor-share", type=float, default=DEFAULT_ANCHOR_SHARE,
                         help=f"dp-replay: share of the budget for anchors (default {DEFAULT_ANCHOR_SHARE})")
     parser.add_argument("--synthetic", action="store_true", help="keep synthetic tokens (default: real text)")
@@ -281,13 +298,19 @@ def online_loop_command(args) -> int:
 
 
 def hybrid_bench_command(args) -> int:
-    from deploy.bench.hybrid import format_hybrid_report, hybrid_bench
+    from deploy.bench.hybrid import format_hybrid_report, hybrid_bench, parse_replay_variant
 
+    replay = {"replay_tokens": args.replay_tokens, "replay_split": args.replay_split,
+              "anchor_decode_pages": args.anchor_decode_pages, "anchor_pages": args.anchor_pages,
+              "anchor_eviction": args.anchor_eviction}
+    if args.anchor_layers is not None:
+        replay["anchor_layers"] = ([] if args.anchor_layers == "none"
+                                   else [int(layer) for layer in args.anchor_layers.split(",")])
     report = hybrid_bench(model=args.model, workloads=parse_workloads(args.workload), rounds=args.rounds,
                           state_budget_mib=args.state_budget_mib, checkpoints=args.checkpoints,
                           resolve_every=args.resolve_every, kv_cache_gib=args.kv_cache_gib, text=not args.synthetic,
-                          seed=args.seed,
-                          sides=tuple(s for s in args.sides.split(",") if s), replay_tokens=args.replay_tokens,
+                          seed=args.seed, sides=tuple(s for s in args.sides.split(",") if s), replay=replay,
+                          variants=dict(map(parse_replay_variant, args.replay_variant or [])),
                           anchor_share=args.anchor_share, **submission(args))
     return print_report(format_hybrid_report(report), report, as_json=args.json)
 

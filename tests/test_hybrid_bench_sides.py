@@ -15,7 +15,7 @@ def side_bytes(kwargs) -> int:
 def test_every_capped_side_holds_the_same_bytes():
     from deploy.bench.hybrid import SIDES, placement_sides
 
-    sides = placement_sides(BUDGET, checkpoints=8, resolve_every=1, replay_tokens=32, anchor_share=0.25)
+    sides = placement_sides(BUDGET, checkpoints=8, resolve_every=1, replay={"replay_tokens": 32}, anchor_share=0.25)
     assert list(sides) == list(SIDES)
     assert {label: side_bytes(kwargs) for label, (_, kwargs) in sides.items() if label != "vllm-uncapped"} == {
         "vllm": BUDGET, "dp": BUDGET, "replay": BUDGET, "dp-replay": BUDGET}
@@ -34,6 +34,31 @@ def test_a_subset_of_sides_keeps_the_report_order_and_unknown_sides_are_refused(
         placement_sides(BUDGET, checkpoints=8, resolve_every=1, sides=("vllm", "radix"))
     with pytest.raises(ValueError, match="anchor_share"):
         placement_sides(BUDGET, checkpoints=8, resolve_every=1, anchor_share=1.0)
+
+
+def test_replay_variants_run_beside_the_sides_with_their_own_settings_at_the_same_bytes():
+    from deploy.bench.hybrid import parse_replay_variant, placement_sides
+
+    variants = dict(map(parse_replay_variant, ["lw:anchor_layers=[0,4],replay_tokens=16,replay_split=uniform",
+                                               "lean:anchor_pages=expected,anchor_eviction=utility",
+                                               "decode:anchor_decode_pages=true"]))
+    assert variants == {"replay:lw": {"anchor_layers": [0, 4], "replay_tokens": 16, "replay_split": "uniform"},
+                        "replay:lean": {"anchor_pages": "expected", "anchor_eviction": "utility"},
+                        "replay:decode": {"anchor_decode_pages": True}}
+    sides = placement_sides(BUDGET, checkpoints=8, resolve_every=1, sides=("vllm", "replay"),
+                            replay={"replay_split": "gate_memory"}, variants=variants)
+    assert list(sides) == ["vllm", "replay", "replay:lw", "replay:lean", "replay:decode"]
+    configs = {label: kwargs["replay_config"] for label, (_, kwargs) in sides.items() if label != "vllm"}
+    assert configs["replay"].replay_split == "gate_memory" and configs["replay"].replay_tokens == 64
+    assert configs["replay:lw"].anchor_layers == (0, 4) and configs["replay:lw"].replay_split == "uniform"
+    assert (configs["replay:lean"].anchor_pages, configs["replay:lean"].replay_split) == ("expected", "gate_memory")
+    assert configs["replay:decode"].anchor_decode_pages is True
+    assert {side_bytes(kwargs) for _, kwargs in sides.values()} == {BUDGET}
+    with pytest.raises(ValueError, match="anchor_pagez"):
+        placement_sides(BUDGET, checkpoints=8, resolve_every=1, variants={"replay:x": {"anchor_pagez": "every"}})
+    for bad in ("lw", "lw:", "lw:anchor_layers"):
+        with pytest.raises(ValueError, match="replay-variant"):
+            parse_replay_variant(bad)
 
 
 def test_add_recompute_compares_every_side_with_vllm():

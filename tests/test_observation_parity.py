@@ -177,7 +177,7 @@ def replay_scheduler_like():
 
     from deploy.hybrid_placement import HybridPlacementConfig
     from deploy.model_free import model_free_scheduler
-    from deploy.replay_layer import PLAN
+    from deploy.replay_plan import PLAN
     from deploy.replay_scheduler import FeatherReplayScheduler, SuffixReplayConfig
     from deploy.scheduler import FeatherConfig
     from feather_gym.hybrid.model import ensure_hybrid_hf

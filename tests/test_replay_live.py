@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 
 live = pytest.mark.live
 
@@ -105,7 +106,7 @@ def test_a_hit_resumes_at_the_attention_hit_where_vllm_without_a_state_recompute
 
 @live
 def test_anchors_stay_within_their_budget(llm):
-    from deploy.replay_layer import PLAN
+    from deploy.replay_plan import PLAN
     from deploy.replay_scheduler import SuffixReplayScheduler
 
     config = llm.llm_engine.vllm_config.model_config
@@ -125,7 +126,7 @@ def test_misconfigurations_are_refused_with_a_reason(llm):
     from vllm.config.compilation import CompilationMode
 
     from deploy.engine_rounds import install_scheduler
-    from deploy.replay_layer import PLAN
+    from deploy.replay_plan import PLAN
     from deploy.replay_scheduler import SuffixReplayScheduler
 
     with pytest.raises(ValueError, match="at most the block size"):
@@ -195,7 +196,7 @@ def replay_layers(llm) -> list:
 
 def scheduler_gdn_layers(llm) -> list[int]:
     """The GDN layer indices of the engine's model (its ReplayGDN layers)."""
-    from deploy.replay_layer import PLAN
+    from deploy.replay_plan import PLAN
 
     return sorted(PLAN.layers.values())
 
@@ -245,7 +246,7 @@ def test_a_later_turn_resumes_on_a_page_the_first_turn_reached_while_decoding(ll
     from vllm.v1.core.sched.scheduler import Scheduler
 
     from deploy.engine_rounds import install_scheduler
-    from deploy.replay_layer import PLAN
+    from deploy.replay_plan import PLAN
     from deploy.replay_scheduler import SuffixReplayScheduler
 
     block = block_size(llm)
@@ -274,3 +275,113 @@ def test_a_later_turn_resumes_on_a_page_the_first_turn_reached_while_decoding(ll
     # kernels, not its prefill's): vLLM's greedy tokens, its logprobs to the last bits of bf16
     assert decoded.outputs[0].token_ids == exact.outputs[0].token_ids
     assert logprobs(decoded) == pytest.approx(logprobs(exact), abs=1e-3)
+
+
+def layer_wise_anchors(llm) -> list[int]:
+    """The model level's layer-wise choice: the first GDN layer after each attention layer (the
+    second GDN layer on a model with none)."""
+    types = llm.llm_engine.vllm_config.model_config.hf_config.layer_types
+    gdn = [i for i, kind in enumerate(types) if kind == "linear_attention"]
+    return [g for g in gdn if g and types[g - 1] == "full_attention"] or gdn[1:2]
+
+
+def gdn_states(llm, blocks: dict[int, int]) -> dict[int, list]:
+    """GDN layer -> copies of its (conv, recurrent) state in block ``blocks[layer]`` (float32)."""
+    from deploy.replay_plan import PLAN
+
+    modules = {PLAN.layers[m.prefix]: m for m in replay_layers(llm)}
+    return {layer: [t[block].float().clone() for t in modules[layer].kv_cache] for layer, block in blocks.items()}
+
+
+def kept_state_blocks(llm, scheduler, prompt, pages: int) -> dict[int, int]:
+    """GDN layer -> the block in which vLLM keeps its state after the first ``pages`` pages of ``prompt``."""
+    from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+
+    from deploy.model_free import vllm_requests
+    from deploy.replay_plan import layer_index
+    from traces import Request, Trace
+
+    request = vllm_requests(Trace("t", [Request("x", 0.0, len(prompt), 1, token_ids=np.asarray(prompt))]),
+                            block_size=block_size(llm))[0]
+    pool = scheduler.kv_cache_manager.block_pool.cached_block_hash_to_block
+    return {layer_index(name): pool.get_one_block(make_block_hash_with_group_id(request.block_hashes[pages - 1],
+                                                                                 gid)).block_id
+            for gid, group in enumerate(scheduler.kv_cache_config.kv_cache_groups) for name in group.layer_names
+            if name in scheduler_gdn_prefixes()}
+
+
+def scheduler_gdn_prefixes() -> set[str]:
+    from deploy.replay_plan import PLAN
+
+    return set(PLAN.layers)
+
+
+def relative_error(a, b) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+@live
+def test_layer_wise_replay_from_the_sequence_start_rebuilds_vllms_own_states(llm, monkeypatch):
+    """Layer-wise (residual anchors at the first GDN layer after each attention layer, the layers
+    below from the tokens) and no anchors at all (the suffix through every layer, attention
+    included where one lies between GDN layers): replayed from the sequence start, each rebuilds
+    the state vLLM keeps at that boundary, checked state by state."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    import deploy.replay_span as span
+    from deploy.replay_plan import PLAN
+    from deploy.replay_scheduler import SuffixReplayScheduler
+
+    block = block_size(llm)
+    prompts = shared_prompts(llm, pages=1, seed=6)
+    vllm, exact = serve(llm, Scheduler, prompts)         # vLLM keeps the state at the first page itself
+    kept = gdn_states(llm, kept_state_blocks(llm, vllm, prompts[0], pages=1))
+    rebuilt, replay = {}, span.replay_span
+
+    def replay_and_read(start, stop, rebuild, dtype):
+        count = replay(start, stop, rebuild, dtype)
+        rebuilt.update(gdn_states(llm, {g: rebuild.blocks[g] for g in kept if start <= g <= stop}))
+        return count
+
+    monkeypatch.setattr(span, "replay_span", replay_and_read)
+    hidden = llm.llm_engine.vllm_config.model_config.get_hidden_size()
+    anchored = layer_wise_anchors(llm)
+    for layers in (anchored, []):
+        rebuilt.clear()
+        scheduler, replayed = serve(llm, SuffixReplayScheduler, prompts,
+                                    **replay_side(replay_tokens=block, anchor_layers=layers))
+        stats = scheduler.feather_stats()
+        assert stats["states_kept"] == 0 and stats["replay_hits"] == 2 and set(PLAN.residual) == set(layers)
+        assert stats["states_rebuilt"] == 2 * len(kept)                       # every GDN layer, each hit
+        assert stats["anchor_bytes_per_page"] == len(layers) * block * hidden * 2
+        assert [o.num_cached_tokens for o in replayed] == [0, block, block]
+        assert sorted(rebuilt) == sorted(kept)
+        for layer, (conv, recurrent) in rebuilt.items():
+            if layers and layer >= min(layers):
+                # from the residual stream's anchors: bf16-rounded where vLLM's fused add-norm
+                # normalises the float32 sum
+                assert relative_error(conv, kept[layer][0]) < 0.02 and relative_error(recurrent, kept[layer][1]) < 0.02
+            else:                                     # the same computation as vLLM's prefill: exact
+                assert torch.equal(conv, kept[layer][0]) and torch.equal(recurrent, kept[layer][1]), layer
+        for a, b in zip(replayed, exact):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids
+
+
+@live
+def test_layer_wise_hits_resume_at_the_attention_hit_on_a_fraction_of_the_bytes(llm):
+    from deploy.replay_scheduler import SuffixReplayScheduler
+
+    block = block_size(llm)
+    layers = layer_wise_anchors(llm)
+    prompts = shared_prompts(llm, pages=2, seed=7)
+    scheduler, replayed = serve(llm, SuffixReplayScheduler, prompts,
+                                **replay_side(replay_tokens=16, anchor_layers=layers))
+    token_wise, _ = serve(llm, SuffixReplayScheduler, prompts, **replay_side(replay_tokens=16))
+    stats, full = scheduler.feather_stats(), token_wise.feather_stats()
+    assert [o.num_cached_tokens for o in replayed] == [0, 2 * block, 2 * block]
+    assert stats["replay_hits"] == 2 and stats["anchors_kept"] == 2
+    gdn = len(scheduler_gdn_layers(llm))
+    assert stats["anchor_bytes_per_page"] * gdn == full["anchor_bytes_per_page"] * len(layers)
+    assert stats["anchor_bytes_by_layer"] == {str(layer): 2 * stats["anchor_bytes_per_page"] // len(layers)
+                                              for layer in layers}
+    assert all(len(o.outputs[0].token_ids) == 8 for o in replayed)

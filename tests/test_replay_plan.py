@@ -14,6 +14,7 @@ The live counterparts are in ``test_replay_live.py``."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -28,7 +29,7 @@ def make_scheduler():
     layout (its GDN layers declared replayable for the duration), no exact state kept."""
     from deploy.hybrid_placement import HybridPlacementConfig
     from deploy.model_free import model_free_scheduler
-    from deploy.replay_layer import PLAN
+    from deploy.replay_plan import PLAN
     from deploy.replay_scheduler import SuffixReplayConfig, SuffixReplayScheduler
     from feather_gym.hybrid.model import ensure_hybrid_hf
 
@@ -50,7 +51,7 @@ def planned_captures(scheduler, prompt_tokens: int, output_tokens: int = 1, pend
     plans while serving one prompt to its end; with ``pending``, each incomplete window is put in
     the plan's ``pending`` as a layer would leave it (the last check: none is left behind)."""
     from deploy.model_free import ModelFreeEngine, vllm_requests
-    from deploy.replay_layer import PLAN
+    from deploy.replay_plan import PLAN
     from traces import Request, Trace
 
     tokens = np.random.default_rng(0).integers(100, 20000, size=prompt_tokens)
@@ -73,7 +74,7 @@ def planned_captures(scheduler, prompt_tokens: int, output_tokens: int = 1, pend
 
 
 def test_the_gate_memory_split_captures_whole_pages_and_uniform_its_tail(make_scheduler):
-    from deploy.replay_layer import PLAN
+    from deploy.replay_plan import PLAN
 
     uniform = make_scheduler(replay_tokens=16)
     assert (PLAN.rows, PLAN.measure_memory) == (16, False)
@@ -89,7 +90,7 @@ def test_each_page_is_split_by_its_gate_memory_and_stored_with_exact_bytes_per_l
     from prometheus_client import REGISTRY
 
     from deploy.model_free import ModelFreeEngine
-    from deploy.replay_layer import PLAN
+    from deploy.replay_plan import PLAN
     from feather_gym.hybrid.suffix_replay import allocate_replay_tokens
 
     scheduler = make_scheduler(replay_tokens=16, replay_split="gate_memory")
@@ -99,7 +100,8 @@ def test_each_page_is_split_by_its_gate_memory_and_stored_with_exact_bytes_per_l
     pages = {b"long-last": [5.0, 50.0, 500.0], b"even": [30.0, 30.0, 30.0]}
     captured = {key: {layer: torch.randn(BLOCK, hidden) for layer in layers} for key in pages}
 
-    def capture(_):                                                     # what the layers leave in the plan
+    def capture(_):                                     # what the scheduler planned and the layers left
+        scheduler._depths.update(dict.fromkeys(pages, BLOCK))
         PLAN.captured.update(captured)
         PLAN.memory.update({key: dict(zip(layers, memory)) for key, memory in pages.items()})
 
@@ -144,21 +146,120 @@ def test_pages_reached_while_decoding_are_captured_a_row_per_step_once_enabled(m
 
 
 def test_a_layer_assembles_a_window_in_order_and_drops_one_it_saw_only_part_of():
-    """``ReplayGDN._capture`` with a stand-in layer (index 0): the window's rows arrive over steps."""
-    from types import SimpleNamespace
+    """``ReplayPlan.capture`` for layer 0: the window's rows arrive over steps."""
+    from deploy.replay_plan import PLAN, Capture
 
-    from deploy.replay_layer import PLAN, Capture, ReplayGDN
-
-    layer, saved = SimpleNamespace(gdn_layer=0), (PLAN.rows, PLAN.measure_memory)
-    PLAN.rows, PLAN.measure_memory = 4, False
+    saved = PLAN.rows
+    PLAN.rows = 4
     try:
         rows = torch.arange(8.0).reshape(4, 2)
-        ReplayGDN._capture(layer, Capture("w", 0, 3, 0), rows[:3])
+        assert PLAN.capture(0, Capture("w", 0, 3, 0), rows[:3]) is None
         assert not PLAN.captured and PLAN.pending["w"][0][1] == 3
-        ReplayGDN._capture(layer, Capture("w", 0, 1, 3, key="page"), rows[3:])
+        assert torch.equal(PLAN.capture(0, Capture("w", 0, 1, 3, key="page"), rows[3:]), rows)
         captured, _ = PLAN.take_captured()
         assert torch.equal(captured["page"][0], rows) and not PLAN.pending
-        ReplayGDN._capture(layer, Capture("v", 0, 2, 2, key="late"), rows[2:])       # its first rows never seen
+        assert PLAN.capture(0, Capture("v", 0, 2, 2, key="late"), rows[2:]) is None     # its first rows never seen
         assert PLAN.take_captured() == ({}, {}) and not PLAN.pending
     finally:
-        PLAN.rows, PLAN.measure_memory = saved
+        PLAN.rows = saved
+
+
+TRAINED_LAYOUT = ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + ["full_attention"]
+
+
+def test_layer_wise_spans_start_at_the_anchored_layers_and_below_them_at_the_tokens():
+    from deploy.replay_span import layer_spans
+
+    assert layer_spans(TRAINED_LAYOUT, [4]) == {0: 2, 4: 6}           # one anchored layer per attention block
+    assert layer_spans(TRAINED_LAYOUT, []) == {0: 6}                  # no anchors: the suffix through attention 3
+    assert layer_spans(TRAINED_LAYOUT, [1]) == {0: 0, 1: 6}
+    assert layer_spans(TRAINED_LAYOUT, [0, 5]) == {0: 4, 5: 6}          # attention 3 inside the first
+    with pytest.raises(ValueError, match="GDN layers"):
+        layer_spans(TRAINED_LAYOUT, [3])
+
+
+@pytest.fixture
+def decoder_stack():
+    """Layer-wise replay needs the engine's decoder stack in the plan; model-free, a stand-in."""
+    from deploy.replay_plan import PLAN
+
+    saved, PLAN.model = PLAN.model, object()
+    yield
+    PLAN.model = saved
+    PLAN.spans, PLAN.residual = {}, frozenset()
+
+
+def test_layer_wise_replay_keeps_residual_anchors_at_the_anchored_layers_only(make_scheduler, decoder_stack):
+    from deploy.replay_plan import PLAN
+
+    uniform = make_scheduler(replay_tokens=16)
+    layer_wise = make_scheduler(replay_tokens=16, anchor_layers=[1])
+    assert (PLAN.spans, PLAN.residual) == ({0: 0, 1: 2}, {1})          # tiny: GDN layers 0-2, attention 3
+    assert list(layer_wise.anchors.replay_tokens) == [1]
+    assert layer_wise.anchors.entry_bytes * len(uniform.anchors.replay_tokens) == uniform.anchors.entry_bytes
+    assert planned_captures(layer_wise, 300) == [(0, BLOCK, BLOCK - 16, 16, 0, True),
+                                                 (0, 2 * BLOCK, 2 * BLOCK - 16, 16, 0, True)]
+    none = make_scheduler(replay_tokens=16, anchor_layers=[])
+    assert (PLAN.spans, PLAN.residual) == ({0: 2}, frozenset())
+    assert planned_captures(none, 300) == []                           # nothing to keep
+    stats = none.feather_stats()
+    assert stats["anchor_layers"] == [] and stats["anchor_bytes_per_page"] == stats["anchor_bytes"] == 0
+    assert none.resumable_blocks(SimpleNamespace(block_hashes=[b"a", b"b", b"c"]), 2) == 2   # every shared page
+
+
+def test_layer_wise_refusals():
+    from deploy.replay_scheduler import SuffixReplayConfig
+    from deploy.replay_span import require_moe_layers_by_name
+
+    with pytest.raises(ValueError, match="call order"):
+        require_moe_layers_by_name(SimpleNamespace(fast_moe_cold_start=True))
+    require_moe_layers_by_name(SimpleNamespace(fast_moe_cold_start=False))
+
+    with pytest.raises(ValueError, match="token-wise"):
+        SuffixReplayConfig(anchor_layers=[4], replay_split="gate_memory")
+    with pytest.raises(ValueError, match="anchor_pages must be one of"):
+        SuffixReplayConfig(anchor_pages="some")
+    with pytest.raises(ValueError, match="anchor_eviction must be one of"):
+        SuffixReplayConfig(anchor_eviction="lfu")
+    assert SuffixReplayConfig.from_additional_config({"feather_replay": {"anchor_layers": [5, 4]}}).anchor_layers \
+        == (4, 5)
+
+
+def test_a_layer_wise_scheduler_needs_the_decoder_stack(make_scheduler, monkeypatch):
+    from deploy.replay_plan import PLAN
+
+    monkeypatch.setattr(PLAN, "model", None)               # no engine built a ReplayQwen3Next
+    with pytest.raises(ValueError, match="register_replay_layer"):
+        make_scheduler(anchor_layers=[1])
+
+
+def planned_boundaries(scheduler, prompts) -> list[list[int]]:
+    """Per prompt served one after another, the boundaries the scheduler plans to anchor (nothing
+    is stored: no layer runs, so every hit recomputes from the start)."""
+    from deploy.model_free import ModelFreeEngine, vllm_requests
+    from deploy.replay_plan import PLAN
+    from traces import Request, Trace
+
+    planned = []
+    engine = ModelFreeEngine(scheduler, on_schedule=lambda _: planned[-1].extend(
+        c.window[1] for c in next(iter(PLAN.captures.values()), ()) if c.key is not None))
+    for i, prompt in enumerate(prompts):
+        planned.append([])
+        engine.add_requests(vllm_requests(Trace("t", [Request(str(i), 0.0, len(prompt), 1, token_ids=prompt)]),
+                                          block_size=BLOCK))
+        while str(i) not in engine.finished:
+            engine.step()
+    return planned
+
+
+def test_expected_pages_are_branch_points_past_branch_points_and_the_prompts_last(make_scheduler):
+    rng = np.random.default_rng(1)
+    shared = rng.integers(100, 20000, size=3 * BLOCK)
+    prompts = [np.concatenate([shared[:pages * BLOCK], rng.integers(100, 20000, size=600 - pages * BLOCK)])
+               for pages in (3, 3, 2)]
+    every = planned_boundaries(make_scheduler(replay_tokens=16), prompts)
+    assert every == [[BLOCK, 2 * BLOCK, 3 * BLOCK, 4 * BLOCK]] * 3
+    expected = planned_boundaries(make_scheduler(replay_tokens=16, anchor_pages="expected"), prompts)
+    # the first: its last page only; the second branches at page 3; the third at page 2, and page 3
+    # is where its family's earlier hit ended
+    assert expected == [[4 * BLOCK], [3 * BLOCK, 4 * BLOCK], [2 * BLOCK, 3 * BLOCK, 4 * BLOCK]]

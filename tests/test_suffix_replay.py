@@ -181,6 +181,27 @@ def test_anchor_store_accounts_bytes_exactly_and_evicts_least_recent():
     assert f32.entry_bytes == 768 and f32.put(1, _anchors(1)) == [] and f32.used_bytes == 768
 
 
+def test_utility_eviction_keeps_what_saves_most_per_expected_use():
+    lru, utility = _store(2), _store(2, eviction="utility")
+    for store in (lru, utility):
+        store.put(1, _anchors(1), saved=1000.0)             # a deep page
+        store.put(2, _anchors(2), saved=10.0)               # a shallow one, then used
+        store.get(2)
+    assert lru.put(3, _anchors(3), saved=10.0) == [1]       # the least recent
+    assert utility.put(3, _anchors(3), saved=10.0) == [2]   # the least expected reuse x saved per byte
+    # uses decay by half over a store's worth (2) of operations: page 1's one use at clock 1, now 4
+    assert utility.decay == pytest.approx(0.5 ** 0.5)
+    assert utility.utility(1) == pytest.approx(0.5 ** 1.5 * 1000.0 / utility.entry_bytes)
+    # used often enough, a shallow page outweighs an idle deep one
+    for _ in range(40):
+        utility.get(3)
+    assert utility.put(4, _anchors(4), saved=10.0) == [1]
+    with pytest.raises(ValueError, match="saved must be > 0"):
+        utility.put(5, _anchors(5), saved=0.0)
+    with pytest.raises(ValueError, match="eviction"):
+        _store(1, eviction="lfu")
+
+
 def test_anchor_store_refuses_what_it_cannot_serve():
     store = _store(1)
     with pytest.raises(KeyError, match="without anchors"):

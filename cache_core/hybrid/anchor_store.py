@@ -22,8 +22,14 @@ Invariants (``tests/test_suffix_replay.py``):
   layers' bytes sum to ``used_bytes``;
 * storage per cached token is :attr:`AnchorStore.bytes_per_cached_token` ``= entry_bytes /
   page_tokens`` (one entry per page of prefix kept);
-* eviction is least-recently-used: a ``put`` or a successful ``get`` makes an entry the most
-  recent; ``put`` evicts the least recent entries until the new one fits, and returns them.
+* a ``put`` or a successful ``get`` makes an entry the most recent and counts one use of it;
+  ``put`` evicts entries until the new one fits, and returns them. Which go (``eviction``):
+  ``"lru"``, the least recent; ``"utility"``, Marconi's criterion (Pan et al., 2024): the lowest
+  expected reuse times recompute saved per byte, :meth:`AnchorStore.utility` ``= uses x decay^age
+  x saved / entry_bytes``, where ``uses`` counts its puts and gets, each weighted by ``decay`` per
+  store operation since (half-life: one store's worth of entries, :attr:`AnchorStore.capacity_entries`
+  operations), and ``saved`` is what a hit on it saves (given at ``put``: the prefill time of the
+  prefix up to its page); ties go least recent first.
 
 Errors are explicit: ``KeyError`` for a hit without anchors (the caller falls back to a stored
 state or recomputation), ``ValueError`` for a budget that cannot hold one entry and for anchors
@@ -41,6 +47,8 @@ from traces.chunk_hash import chained_chunk_hashes
 
 #: Store dtypes and their sizes in bytes.
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+#: Eviction orders (see the module docstring).
+EVICTIONS = ("lru", "utility")
 
 
 def _key(key):
@@ -49,12 +57,16 @@ def _key(key):
 
 
 class AnchorStore:
-    """A byte-budgeted LRU map: chained page digest -> {GDN layer: anchors [R_l, hidden]}."""
+    """A byte-budgeted map: chained page digest -> {GDN layer: anchors [R_l, hidden]}, evicting by
+    recency or by utility (see the module docstring)."""
 
     def __init__(self, budget_bytes: int, *, hidden_size: int, replay_tokens: dict[int, int],
-                 page_tokens: int = 256, dtype: str = "bfloat16", split_rows: bool = False) -> None:
+                 page_tokens: int = 256, dtype: str = "bfloat16", split_rows: bool = False,
+                 eviction: str = "lru") -> None:
         if dtype not in DTYPES:
             raise ValueError(f"unknown anchor dtype {dtype!r}; choose from {sorted(DTYPES)}")
+        if eviction not in EVICTIONS:
+            raise ValueError(f"unknown anchor eviction {eviction!r}; choose from {EVICTIONS}")
         if not replay_tokens or min(replay_tokens.values()) < 1 or hidden_size < 1 or page_tokens < 1:
             raise ValueError("need at least one anchored layer, R_l >= 1, hidden_size >= 1 and page_tokens >= 1")
         self.hidden_size, self.page_tokens, self.dtype = int(hidden_size), int(page_tokens), DTYPES[dtype]
@@ -67,10 +79,16 @@ class AnchorStore:
                              f"{self.entry_bytes} bytes ({sum(self.replay_tokens.values())} anchors x "
                              f"{self.hidden_size} x {self.dtype.itemsize} B)")
         self.budget_bytes = int(budget_bytes)
+        self.eviction = eviction
         self._entries: OrderedDict[int, dict[int, torch.Tensor]] = OrderedDict()
         self.used_bytes = 0
         self.layer_bytes = dict.fromkeys(self.replay_tokens, 0)
         self.evictions = 0
+        #: Per entry: what a hit saves, and (uses decayed to ``stamp``, ``stamp``) on the operation clock.
+        self._saved: dict = {}
+        self._uses: dict = {}
+        self._clock = 0
+        self.decay = 0.5 ** (1 / self.capacity_entries)
 
     @property
     def bytes_per_cached_token(self) -> float:
@@ -90,9 +108,13 @@ class AnchorStore:
         """The digest of every page boundary of ``tokens`` (uint64, one per full page)."""
         return chained_chunk_hashes(np.asarray(tokens), self.page_tokens)
 
-    def put(self, key, anchors: dict[int, torch.Tensor | np.ndarray]) -> list[int]:
-        """Store (or refresh) the anchors of page digest ``key``; returns the evicted keys."""
+    def put(self, key, anchors: dict[int, torch.Tensor | np.ndarray], *, saved: float = 1.0) -> list[int]:
+        """Store (or refresh) the anchors of page digest ``key``, a hit on which saves ``saved``
+        (any unit, the same for every entry; only ``"utility"`` eviction reads it); returns the
+        evicted keys."""
         key = _key(key)
+        if not saved > 0:
+            raise ValueError(f"saved must be > 0, got {saved}")
         if sorted(anchors) != list(self.replay_tokens):
             raise ValueError(f"anchors for layers {sorted(anchors)}, store keeps layers {list(self.replay_tokens)}")
         entry = {}
@@ -111,13 +133,27 @@ class AnchorStore:
             self._remove(key)
         evicted = []
         while self.used_bytes + self.entry_bytes > self.budget_bytes:
-            oldest = next(iter(self._entries))
-            self._remove(oldest)
-            evicted.append(oldest)
+            victim = next(iter(self._entries)) if self.eviction == "lru" else min(self._entries, key=self.utility)
+            self._remove(victim)
+            evicted.append(victim)
         self.evictions += len(evicted)
         self._entries[key] = entry
         self._account(entry, +1)
+        self._saved[key], self._uses[key] = float(saved), (0.0, self._clock)
+        self._use(key)
         return evicted
+
+    def utility(self, key) -> float:
+        """Expected reuse times recompute saved per byte of the entry ``key`` (the ``"utility"``
+        eviction's order, lowest first): its decayed uses x its ``saved`` / :attr:`entry_bytes`."""
+        uses, stamp = self._uses[_key(key)]
+        return uses * self.decay ** (self._clock - stamp) * self._saved[_key(key)] / self.entry_bytes
+
+    def _use(self, key) -> None:
+        """One store operation on ``key``: the clock advances, and the entry counts one use."""
+        self._clock += 1
+        uses, stamp = self._uses[key]
+        self._uses[key] = (uses * self.decay ** (self._clock - stamp) + 1.0, self._clock)
 
     def get(self, key) -> dict[int, torch.Tensor]:
         """The anchors of ``key`` (made most recent); ``KeyError`` when the prefix has no anchors."""
@@ -126,6 +162,7 @@ class AnchorStore:
             raise KeyError(f"no anchors for page digest {key!r}: a KV prefix hit without anchors "
                            f"(never stored or evicted); fall back to a stored state or recompute")
         self._entries.move_to_end(key)
+        self._use(key)
         return self._entries[key]
 
     def deepest_hit(self, keys) -> int:
@@ -134,6 +171,7 @@ class AnchorStore:
 
     def _remove(self, key) -> None:
         self._account(self._entries.pop(key), -1)
+        del self._saved[key], self._uses[key]
 
     def _account(self, entry: dict[int, torch.Tensor], sign: int) -> None:
         """Add (``sign`` 1) or remove (-1) an entry's bytes, per layer and in all."""

@@ -95,6 +95,11 @@ class OnlineOverlapEstimator:
             raise ValueError("no overlap depth observed yet")
         return self._counts / total
 
+    def observed_depths(self) -> np.ndarray:
+        """The depths ``1 .. N - 1`` (blocks) observed at least once, ascending (``N``, the clip, is
+        not an exact depth)."""
+        return np.flatnonzero(self._counts[1:self.num_positions] > 0) + 1
+
     def resolve(self) -> None:
         """Re-solve the placement for the current estimate now."""
         self.solution = solve(PlacementProblem(self.depth_probs, self.block_costs), self.budget)

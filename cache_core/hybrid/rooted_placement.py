@@ -74,6 +74,11 @@ class RootedPlacement:
         entry = self._roots.get(root)
         return entry[1] if entry is not None else _NONE
 
+    def observed(self, root: Hashable | None) -> frozenset[int]:
+        """The overlap depths (blocks) observed in family ``root`` (:meth:`OnlineOverlapEstimator.observed_depths`)."""
+        entry = self._roots.get(root)
+        return frozenset(int(d) for d in entry[0].observed_depths()) if entry is not None else _NONE
+
     def all_chosen(self) -> frozenset[int]:
         """Every position some family keeps (for reports)."""
         return frozenset().union(*(chosen for _, chosen in self._roots.values()))

@@ -18,11 +18,20 @@ side               what a prefix hit resumes from
 ``dp-replay``      the DP's states within ``(1 - anchor_share) B`` plus anchors within
                    ``anchor_share B``: a hit resumes at the deeper of the two
 ``vllm-uncapped``  vLLM's own positions with no cap: vLLM as it ships (with bookkeeping)
+``replay:NAME``    a replay side like ``replay`` with its own SuffixReplay settings
+                   (``--replay-variant``, :func:`parse_replay_variant`)
 =================  ==========================================================================
+
+``replay`` and ``dp-replay`` take the SuffixReplay settings ``replay`` (keys of
+:class:`~deploy.replay_scheduler.SuffixReplayConfig`: ``replay_tokens``, ``replay_split``,
+``anchor_decode_pages``, ``anchor_layers``, ``anchor_pages``, ``anchor_eviction``); each variant
+overrides some of them, so configurations run side by side on the same engine and arrivals.
 """
 
 from __future__ import annotations
 
+import json
+import re
 import time
 
 from deploy.bench.harness import ideal_cached_tokens, run_schedulers
@@ -53,15 +62,36 @@ DEFAULT_REPLAY_TOKENS = 64
 DEFAULT_ANCHOR_SHARE = 0.5
 
 
+def parse_replay_variant(text: str) -> tuple[str, dict]:
+    """``"NAME:key=value,key=value"`` -> ``("replay:NAME", {key: value})``: a value is read as JSON
+    when it parses (``16``, ``true``, ``[0,4]``; commas inside brackets belong to the value), else
+    as a string (``expected``). The keys are checked when the side's config is built."""
+    name, sep, pairs = text.partition(":")
+    if not sep or not name or not pairs:
+        raise ValueError(f"--replay-variant {text!r}: expected NAME:key=value[,key=value...]")
+    settings = {}
+    for pair in re.split(r",(?![^\[]*\])", pairs):
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--replay-variant {text!r}: {pair!r} is not key=value")
+        try:
+            settings[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            settings[key.strip()] = value.strip()
+    return f"replay:{name}", settings
+
+
 def placement_sides(state_budget_bytes: int, *, checkpoints: int, resolve_every: int,
-                    replay_tokens: int = DEFAULT_REPLAY_TOKENS, anchor_share: float = DEFAULT_ANCHOR_SHARE,
-                    sides: tuple[str, ...] = SIDES) -> dict:
-    """The bench's sides ``{label: (scheduler class, kwargs)}`` (see the module docstring)."""
+                    replay: dict | None = None, anchor_share: float = DEFAULT_ANCHOR_SHARE,
+                    sides: tuple[str, ...] = SIDES, variants: dict[str, dict] | None = None) -> dict:
+    """The bench's sides ``{label: (scheduler class, kwargs)}`` (see the module docstring):
+    ``replay`` the SuffixReplay settings of the replay sides, ``variants`` ``{label: settings
+    overriding them}`` more anchors-only replay sides, after ``sides``."""
     from deploy.hybrid_placement import HybridPlacementConfig, HybridPlacementScheduler
     from deploy.replay_scheduler import SuffixReplayConfig, SuffixReplayScheduler
 
     unknown = sorted(set(sides) - set(SIDES))
-    if unknown or not sides:
+    if unknown or not (sides or variants):
         raise ValueError(f"unknown sides {unknown}; choose from {SIDES}")
     if not 0 < anchor_share < 1:
         raise ValueError(f"anchor_share must be in (0, 1), got {anchor_share}")
@@ -70,17 +100,23 @@ def placement_sides(state_budget_bytes: int, *, checkpoints: int, resolve_every:
         return HybridPlacementConfig(placement=kind, state_budget_bytes=budget, checkpoints=checkpoints,
                                      resolve_every=resolve_every)
 
-    def replay(kind: str, anchor_bytes: int):
-        return SuffixReplayScheduler, {
-            "hybrid_config": placement(kind, state_budget_bytes - anchor_bytes),
-            "replay_config": SuffixReplayConfig(replay_tokens=replay_tokens, anchor_budget_bytes=anchor_bytes)}
+    def replay_side(kind: str, anchor_bytes: int, **overrides):
+        settings = {"replay_tokens": DEFAULT_REPLAY_TOKENS, **(replay or {}), **overrides}
+        try:
+            config = SuffixReplayConfig(**settings, anchor_budget_bytes=anchor_bytes)
+        except TypeError as error:
+            raise ValueError(f"SuffixReplay settings {sorted(settings)}: {error}") from None
+        return SuffixReplayScheduler, {"hybrid_config": placement(kind, state_budget_bytes - anchor_bytes),
+                                       "replay_config": config}
 
     every = {"vllm": (HybridPlacementScheduler, {"hybrid_config": placement("vllm", state_budget_bytes)}),
              "dp": (HybridPlacementScheduler, {"hybrid_config": placement("dp", state_budget_bytes)}),
-             "replay": replay("vllm", state_budget_bytes),
-             "dp-replay": replay("dp", int(anchor_share * state_budget_bytes)),
+             "replay": replay_side("vllm", state_budget_bytes),
+             "dp-replay": replay_side("dp", int(anchor_share * state_budget_bytes)),
              "vllm-uncapped": (HybridPlacementScheduler, {"hybrid_config": placement("vllm", None)})}
-    return {label: every[label] for label in SIDES if label in sides}
+    chosen = {label: every[label] for label in SIDES if label in sides}
+    return {**chosen, **{label: replay_side("vllm", state_budget_bytes, **overrides)
+                         for label, overrides in (variants or {}).items()}}
 
 
 def add_recompute(result: dict) -> dict:
@@ -106,9 +142,10 @@ def add_recompute(result: dict) -> dict:
 def hybrid_bench(*, model: str = "trained", workloads: dict[str, str] | None = None, rounds: int = DEFAULT_ROUNDS,
                  state_budget_mib: float = DEFAULT_STATE_BUDGET_MIB, checkpoints: int = 8, resolve_every: int = 1,
                  kv_cache_gib: float | None = None, online: bool = DEFAULT_ONLINE, time_scale: float = 1.0,
-                 text: bool = True, seed: int = 0, sides: tuple[str, ...] = SIDES,
-                 replay_tokens: int = DEFAULT_REPLAY_TOKENS, anchor_share: float = DEFAULT_ANCHOR_SHARE) -> dict:
-    """The whole report: one engine on the hybrid model, :func:`run_schedulers` per workload."""
+                 text: bool = True, seed: int = 0, sides: tuple[str, ...] = SIDES, replay: dict | None = None,
+                 anchor_share: float = DEFAULT_ANCHOR_SHARE, variants: dict[str, dict] | None = None) -> dict:
+    """The whole report: one engine on the hybrid model, :func:`run_schedulers` per workload
+    (``sides``, ``replay``, ``variants``: :func:`placement_sides`)."""
     from transformers import AutoTokenizer
 
     from deploy.replay_layer import register_replay_layer
@@ -133,12 +170,13 @@ def hybrid_bench(*, model: str = "trained", workloads: dict[str, str] | None = N
                        kv_cache_gib=kv_cache_gib)
     capacity = kv_capacity(llm)
     budget = int(state_budget_mib * 2**20)
-    sides = placement_sides(budget, checkpoints=checkpoints, resolve_every=resolve_every,
-                            replay_tokens=replay_tokens, anchor_share=anchor_share, sides=sides)
+    sides = placement_sides(budget, checkpoints=checkpoints, resolve_every=resolve_every, replay=replay,
+                            anchor_share=anchor_share, sides=sides, variants=variants)
     report = {"model": model_dir, "dtype": "bfloat16", "rounds": rounds, "online": online, "time_scale": time_scale,
               "text": text, "kv_cache_gib": kv_cache_gib, **capacity, "state_budget_bytes": budget,
-              "dp_checkpoints": checkpoints, "dp_resolve_every": resolve_every, "replay_tokens": replay_tokens,
-              "anchor_share": anchor_share, "workloads": {}}
+              "dp_checkpoints": checkpoints, "dp_resolve_every": resolve_every,
+              "replay_settings": {"replay_tokens": DEFAULT_REPLAY_TOKENS, **(replay or {})},
+              "replay_variants": variants or {}, "anchor_share": anchor_share, "workloads": {}}
     for name, trace in traces.items():
         result = run_schedulers(llm, trace, sides, rounds=rounds, online=online, time_scale=time_scale)
         report["workloads"][name] = {
