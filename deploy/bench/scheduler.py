@@ -310,7 +310,8 @@ def _run_repeated(sides: dict, trace, config: SchedulerBenchConfig, repeats: int
         if label != REFERENCE:
             for profile in BUBBLE_PROFILES:
                 modelled_ms = merged.get(f"modelled_step_ms_{profile}")
-                extra_us = merged["step_us_p50"] - out[REFERENCE]["step_us_p50"] if merged["step_us_p50"] else None
+                steps = (merged["step_us_p50"], out[REFERENCE]["step_us_p50"])
+                extra_us = steps[0] - steps[1] if None not in steps else None
                 merged[f"extra_bubble_{profile}"] = (round(extra_us / 1e3 / modelled_ms, 4)
                                                      if modelled_ms and extra_us is not None else None)
             merged["targets_met"] = targets_met(merged)
