@@ -50,8 +50,7 @@ from abc import ABC, abstractmethod
 import numpy as np
 
 from feather_gym.observation import ADD, DEFAULT_NUM_CANDIDATES, FEATURE_INDEX, STOP
-from feather_gym.orderings import (CHTOrder, DFSWeightOrder, FCFSOrder, GroupOrder, HRRNOrder, LPMOrder,
-                                  WaitingOrder)
+from feather_gym.orderings import CHTOrder, DFSWeightOrder, FCFSOrder, GroupOrder, HRRNOrder, LPMOrder, WaitingOrder
 
 #: Waiting-time bound of the admission, in engine steps, in the simulator and in the deployed
 #: scheduler alike: the earliest-arrived waiting request is admitted, unasked, once this many

