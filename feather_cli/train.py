@@ -36,7 +36,6 @@ import typing
 from pathlib import Path
 
 from feather_cli.options import add_json, add_output, add_version
-from feather_gym.envs import REWARDS
 from trainer.config import OFF, TrainConfig
 
 TRAIN_HELP = "train the Feather policy with RLlib PPO, evaluate it held out, export it to ONNX"
@@ -104,7 +103,6 @@ SPELLING = {
     "num_candidates": {"metavar": "K"},
     "warm_start": {"metavar": "BASELINE"},
     "improve_warm_start": {"metavar": "MIN_GAIN|off"},
-    "reward": {"choices": tuple(REWARDS)},
 }
 
 

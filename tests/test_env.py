@@ -76,27 +76,6 @@ def test_return_is_throughput_relative_to_fcfs():
         assert (total > 1e-9) == (info["throughput_tok_s"] > rate * (1 + 1e-9))
 
 
-def test_the_goodput_reward_returns_goodput_relative_to_fcfs():
-    """With ``reward: goodput`` the return is (met - fcfs_goodput x makespan) / requests: positive iff
-    more requests per second of makespan meet the SLO than under FCFS on the same window."""
-    from feather_gym.sweep import latency_and_goodput
-
-    env = BatchFormationEnv({**CONFIG, "reward": "goodput", "window_requests": 200})
-    for seed, policy in ((0, lambda obs: 1), (2, lambda obs: 0)):
-        _, total, info = rollout(env, seed, policy)
-        window = env._sim.trace
-        fcfs = simulate(window, env.cost_model, make_policy("fcfs"), config=env.engine)
-        rate = latency_and_goodput(fcfs, env.slo, fcfs.metrics()["makespan_s"])["goodput_req_s"]
-        assert info["baseline_goodput_req_s"] == pytest.approx(rate)
-        met = info["goodput_req_s"] * info["makespan_s"]
-        assert total == pytest.approx((met - rate * info["makespan_s"]) / len(window), rel=1e-6, abs=1e-6)
-        assert (total > 1e-9) == (info["goodput_req_s"] > rate * (1 + 1e-9))
-    stopped = rollout(env, 2, lambda obs: 0)
-    assert stopped[1] < 0 and stopped[2]["goodput_req_s"] < stopped[2]["baseline_goodput_req_s"]   # STOPs cost the SLO
-    with pytest.raises(ValueError, match="reward must be one of throughput, goodput"):
-        BatchFormationEnv({**CONFIG, "reward": "latency"})
-
-
 def test_a_fork_plays_on_alone():
     """A fork mid-episode continues exactly as its env would, and playing it out leaves the env as it was."""
     env = BatchFormationEnv({**CONFIG, "num_candidates": 2})

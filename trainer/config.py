@@ -28,7 +28,6 @@ import yaml
 
 from feather_gym.costmodel import hardware_profile
 from feather_gym.envs import DEFAULT_CONFIG as ENV_DEFAULTS
-from feather_gym.envs import REWARDS
 from feather_gym.policies import check_max_wait_steps
 from traces.io import read_text
 from traces.workload import (
@@ -153,9 +152,6 @@ class TrainConfig:
     num_candidates: int = field(default=4, metadata={"min": 1,
         "help": "candidate slots of the action: 1 is ADD/STOP on the CHT's best candidate, K > 1 chooses among "
                 "its K best prefix groups or STOP"})
-    reward: str = field(default="throughput", metadata={"help": (
-        "what the reward and checkpoint selection measure against FCFS: throughput (output tokens/s) or goodput "
-        "(requests within the profile's SLO per second, feather_gym.sweep.DEFAULT_SLOS)")})
     workload_instances: int | None = field(default=None, metadata={"min": 1, "max": SEED_STRIDE,
         "help": "generated traces of each workload spec in every training env (seeds seed .. seed + N - 1); "
                 "default: the built-in mix's with the default workloads, else 1"})
@@ -211,11 +207,6 @@ class TrainConfig:
             output_dir=_given(self.output_dir, Path("runs") / datetime.now(UTC).strftime("feather-%Y%m%d-%H%M%S")),
         )
 
-    def objective(self) -> str:
-        """The figure of a run that this run's reward measures (:data:`feather_gym.envs.REWARDS`), and
-        checkpoint selection and the held-out targets judge."""
-        return REWARDS[self.reward]
-
     def engine(self):
         """The simulated engine's settings (:class:`feather_gym.simulator.EngineConfig`) of this run."""
         from feather_gym.simulator import EngineConfig
@@ -233,8 +224,6 @@ class TrainConfig:
         if not self.workloads:
             raise ValueError("workloads: at least one workload spec is needed")
         check_max_wait_steps(self.max_wait_steps)
-        if self.reward not in REWARDS:
-            raise ValueError(f"reward: must be one of {', '.join(REWARDS)}, got {self.reward!r}")
         parts = dict.fromkeys(split_spec(spec, part, self.eval_fraction)    # ValueError for a bad eval_fraction
                               for spec in self.workloads for part in SPLIT_PARTS)
         for spec in parts:

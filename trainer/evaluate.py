@@ -1,16 +1,16 @@
 """Evaluate a trained ONNX policy against every baseline on held-out seeds, and judge the targets.
 
 For each workload of the mix and each held-out seed, the gym's comparison runs the same trace
-under every baseline (:data:`feather_gym.policies.BASELINES`) and the trained policy; the
-objective, throughput (output tok/s) by default or goodput (requests within the profile's SLO per
-second, :mod:`feather_gym.sweep`), is then averaged over the seeds. A trace file ignores the seed,
-so it is run once (its held-out part is a time window, :func:`traces.workload.split_spec`). A
-``SPEC@load=X`` runs each trace at ``X`` times its own FCFS capacity (:mod:`feather_gym.load`).
-Each result carries its load regime (``SimResult.metrics``: arrival span, makespan, queueing
-delay per policy) and its latency figures (goodput, the share of requests within the SLO).
+under every baseline (:data:`feather_gym.policies.BASELINES`) and the trained policy; throughput
+is then averaged over the seeds. A trace file ignores the seed, so it is run once (its held-out
+part is a time window, :func:`traces.workload.split_spec`). A ``SPEC@load=X`` runs each trace at
+``X`` times its own FCFS capacity (:mod:`feather_gym.load`). Each result carries its load regime
+(``SimResult.metrics``: arrival span, makespan, queueing delay per policy) and its latency
+figures under the SLO of the profile's device (:data:`feather_gym.sweep.DEFAULT_SLOS`): goodput
+and the share of requests within the SLO.
 Targets: on a prefix-sharing workload the policy must reach the best *heuristic*
 (every baseline but ``group-label``, which reads the generators' group labels); on a workload
-without sharing it must stay within ``NO_SHARING_TOLERANCE`` of FCFS. Objectives within
+without sharing it must stay within ``NO_SHARING_TOLERANCE`` of FCFS. Throughputs within
 ``TIE_TOLERANCE`` (relative) of the best heuristic count as reaching it (arrival-bound traces
 finish within a fraction of a token per second of each other under every policy). A workload counts as
 prefix-sharing when its ``prefix_sharing_ratio`` (:func:`traces.stats.trace_stats`, at the
@@ -30,10 +30,6 @@ REFERENCE_ONLY = ("group-label",)   # reads the generators' group labels: shown,
 #: The per-policy figures of :meth:`Benchmark.run`, each a mean over a workload's runs.
 RUN_FIGURES = ("throughput_tok_s", "goodput_req_s", "slo_met_fraction", "makespan_s", "queue_delay_mean_s",
                "queue_delay_p99_s")
-#: The objectives a benchmark can judge (figures of :data:`RUN_FIGURES`; higher is better).
-OBJECTIVES = ("throughput_tok_s", "goodput_req_s")
-#: How each objective is named in the printed tables.
-OBJECTIVE_UNITS = {"throughput_tok_s": "output tok/s", "goodput_req_s": "goodput (requests within the SLO/s)"}
 #: The load label of a workload run at its own (recorded or generated) arrival rate.
 RECORDED_RATE = "recorded"
 NO_SHARING_TOLERANCE = 0.02
@@ -46,16 +42,11 @@ SHARING_RATIO_MIN = 0.05
 
 
 class Benchmark:
-    """The baselines' mean objective on ``workloads`` x ``seeds`` under ``profile``, computed
+    """The baselines' mean throughputs on ``workloads`` x ``seeds`` under ``profile``, computed
     once, against which any number of policies are then judged (the final evaluation judges the
-    exported file; training judges its current network on validation seeds to keep the best).
-    ``objective``: a figure of :data:`OBJECTIVES`; goodput is judged under the SLO of the
-    profile's device (:data:`feather_gym.sweep.DEFAULT_SLOS`), a run in which no request meets it
-    counting as one that does (one request over its makespan), so that every ratio of goodputs
-    is finite (a burst can leave FCFS no request within the SLO)."""
+    exported file; training judges its current network on validation seeds to keep the best)."""
 
-    def __init__(self, *, workloads: Sequence[str], profile: str, seeds: Sequence[int], engine=None,
-                 objective: str = "throughput_tok_s") -> None:
+    def __init__(self, *, workloads: Sequence[str], profile: str, seeds: Sequence[int], engine=None) -> None:
         from feather_gym.costmodel import load_cost_model
         from feather_gym.load import LoadedWorkloads
         from feather_gym.policies import BASELINES, make_policy
@@ -64,14 +55,12 @@ class Benchmark:
         from traces.stats import trace_stats
         from traces.workload import is_generated
 
-        if objective not in OBJECTIVES:
-            raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
-        self.profile, self.seeds, self.objective = profile, list(seeds), objective
+        self.profile, self.seeds = profile, list(seeds)
         self.cost_model = load_cost_model(profile)
         self.slo = DEFAULT_SLOS[self.cost_model.device]
         self.engine = (engine or EngineConfig()).resolve(self.cost_model)
         self._runs = {}          # spec -> [(trace, digests)]: one per seed, or one for a trace file
-        self.baselines = {}      # spec -> {baseline: mean objective}
+        self.baselines = {}      # spec -> {baseline: mean throughput}
         self.loads = {}          # spec -> {baseline: mean makespan, queueing delays and the other figures}
         self.sharing_ratio = {}  # spec -> mean prefix sharing ratio
         self.arrival_span = {}   # spec -> mean arrival span (s)
@@ -83,7 +72,7 @@ class Benchmark:
                                                       ["prefix_sharing_ratio"] for trace, _ in runs]))
             self.arrival_span[spec] = float(np.mean([trace.duration_s for trace, _ in runs]))
             figures = {name: self.run(spec, make_policy(name)) for name in BASELINES}
-            self.baselines[spec] = {name: run.pop(objective) for name, run in figures.items()}
+            self.baselines[spec] = {name: run.pop("throughput_tok_s") for name, run in figures.items()}
             self.loads[spec] = figures
 
     def runs(self, spec: str, policy) -> dict[str, np.ndarray]:
@@ -97,9 +86,7 @@ class Benchmark:
         for trace, digests in self._runs[spec]:
             result = simulate(trace, self.cost_model, policy, config=self.engine, digests=digests)
             metrics = result.metrics()
-            slo = latency_and_goodput(result, self.slo, metrics["makespan_s"])
-            slo["goodput_req_s"] = max(slo["slo_met_requests"], 1) / metrics["makespan_s"]   # see the class doc
-            runs.append({**metrics, **slo})
+            runs.append({**metrics, **latency_and_goodput(result, self.slo, metrics["makespan_s"])})
         return {key: np.array([metrics[key] for metrics in runs]) for key in RUN_FIGURES}
 
     def run(self, spec: str, policy) -> dict:
@@ -107,10 +94,9 @@ class Benchmark:
         return _means(self.runs(spec, policy))
 
     def judge(self, spec: str, trained: float, references: Mapping[str, float] | None = None) -> dict:
-        """The per-workload result for a trained policy reaching ``trained`` (the objective, e.g.
-        tok/s) on ``spec``; the objective's means are under the objective's own key.
+        """The per-workload result for a trained policy reaching ``trained`` tok/s on ``spec``.
 
-        ``margin`` is trained over the target's objective: >= 1 (less the tie tolerance) meets it;
+        ``margin`` is trained over the target's throughput: >= 1 (less the tie tolerance) meets it;
         ``target_margin`` >= 1 meets the target within the tolerance (within ``TARGET_TOLERANCE``).
         ``load`` holds the baselines' other figures: makespan, queueing delays, the SLO's
         (:meth:`evaluate` adds the trained policy's).
@@ -132,7 +118,7 @@ class Benchmark:
             "prefix_sharing_ratio": self.sharing_ratio[spec],
             "arrival_span_s": self.arrival_span[spec],
             "load": {name: dict(figures) for name, figures in self.loads[spec].items()},
-            self.objective: mean,
+            "throughput_tok_s": mean,
             "ratio_to_fcfs": {name: value / fcfs for name, value in mean.items()},
             "target": target,
             "margin": trained / needed,
@@ -142,30 +128,30 @@ class Benchmark:
         }
 
     def evaluate(self, policy, references: Mapping[str, object] | None = None) -> dict:
-        """``{"profile", "seeds", "objective", "workloads": [judge(...) per workload]}`` for ``policy``.
+        """``{"profile", "seeds", "workloads": [judge(...) per workload]}`` for ``policy``.
 
         ``references`` (label -> policy, e.g. the warm-start clone) run beside it: shown in every
-        table, in ``trained_over_reference`` (ratio of the mean objectives) and in
+        table, in ``trained_over_reference`` (ratio of the mean throughputs) and in
         ``trained_over_reference_paired`` (:func:`paired_ratio`), never a target. Each result also
-        holds the objective on every run, in seed order, of the policy (``trained_runs``) and of
+        holds the throughput on every run, in seed order, of the policy (``trained_runs``) and of
         each reference (``reference_runs``), so a later evaluation on the same benchmark can be
         paired with this one, and runs can be pooled per load (:func:`by_load`)."""
-        objective, results = self.objective, []
+        results = []
         for spec in self._runs:
             per_run = {label: self.runs(spec, other)
                        for label, other in {**(references or {}), POLICY_LABEL: policy}.items()}
             figures = {label: _means(runs) for label, runs in per_run.items()}
-            means = {label: run.pop(objective) for label, run in figures.items()}
-            trained = means.pop(POLICY_LABEL)
-            result = self.judge(spec, trained, means)
+            throughput = {label: run.pop("throughput_tok_s") for label, run in figures.items()}
+            trained = throughput.pop(POLICY_LABEL)
+            result = self.judge(spec, trained, throughput)
             result["load"].update(figures)
-            result["trained_over_reference_paired"] = {
-                label: paired_ratio(per_run[POLICY_LABEL][objective], per_run[label][objective])
-                for label in references or {}}
-            result["trained_runs"] = per_run[POLICY_LABEL][objective].tolist()
-            result["reference_runs"] = {label: per_run[label][objective].tolist() for label in references or {}}
+            runs = {label: figures_of["throughput_tok_s"] for label, figures_of in per_run.items()}
+            result["trained_over_reference_paired"] = {label: paired_ratio(runs[POLICY_LABEL], runs[label])
+                                                       for label in references or {}}
+            result["trained_runs"] = runs[POLICY_LABEL].tolist()
+            result["reference_runs"] = {label: runs[label].tolist() for label in references or {}}
             results.append(result)
-        return {"profile": self.profile, "seeds": self.seeds, "objective": objective, "workloads": results}
+        return {"profile": self.profile, "seeds": self.seeds, "workloads": results}
 
 
 def _means(runs: Mapping[str, np.ndarray]) -> dict:
@@ -211,14 +197,13 @@ def validation_score(evaluation: dict) -> tuple[float, float]:
 
 
 def evaluate_policy(policy_path: str | Path, *, workloads: Sequence[str], profile: str,
-                    seeds: Sequence[int], engine=None, references: Mapping[str, object] | None = None,
-                    objective: str = "throughput_tok_s") -> dict:
+                    seeds: Sequence[int], engine=None, references: Mapping[str, object] | None = None) -> dict:
     """:meth:`Benchmark.evaluate` of the ONNX policy file ``policy_path`` (``engine``: an
     ``EngineConfig``, default the profile's), beside the ``references`` (label -> ONNX file or
     :class:`~feather_gym.policies.Policy`)."""
     from feather_gym.policies import Policy, make_policy
 
-    return Benchmark(workloads=workloads, profile=profile, seeds=seeds, engine=engine, objective=objective).evaluate(
+    return Benchmark(workloads=workloads, profile=profile, seeds=seeds, engine=engine).evaluate(
         make_policy(str(policy_path)),
         {label: ref if isinstance(ref, Policy) else make_policy(str(ref)) for label, ref in (references or {}).items()})
 
@@ -233,8 +218,8 @@ def load_label(spec: str) -> str:
 
 
 def figure(result: dict, policy: str, name: str) -> float:
-    """Figure ``name`` (of :data:`RUN_FIGURES`) of ``policy`` in a per-workload result: the objective's
-    mean, or one of the other figures of its ``load``."""
+    """Figure ``name`` (of :data:`RUN_FIGURES`) of ``policy`` in a per-workload result: the mean
+    throughput, or one of the other figures of its ``load``."""
     return result[name][policy] if name in result else result["load"][policy][name]
 
 
@@ -242,7 +227,7 @@ def by_load(evaluation: dict) -> dict[str, dict]:
     """An evaluation summed up per load (:func:`load_label`; loads in increasing order, then the
     recorded rate), over the workloads at that load: how many, how many meet their target, the
     worst and mean margin; per policy the geometric mean of its throughput over FCFS's and the mean
-    share of requests within the SLO; and per reference the trained policy's objective over it,
+    share of requests within the SLO; and per reference the trained policy's throughput over it,
     paired run by run over every run of those workloads (:func:`paired_ratio`)."""
     groups: dict[str, list[dict]] = {}
     for result in evaluation["workloads"]:
@@ -251,7 +236,7 @@ def by_load(evaluation: dict) -> dict[str, dict]:
     summary = {}
     for load in order:
         results = groups[load]
-        policies = list(results[0][evaluation["objective"]])
+        policies = list(results[0]["throughput_tok_s"])
         not_heuristics = (*REFERENCE_ONLY, POLICY_LABEL, *results[0]["reference_runs"])
         heuristics = [name for name in policies if name not in not_heuristics]
         summary[load] = {
@@ -280,20 +265,22 @@ def _geometric_mean(values) -> float:
 
 
 def format_table(evaluation: dict) -> str:
-    """The comparison as fixed-width tables: the objective (throughput in tok/s, or goodput) and
-    its ratio to FCFS per policy, then the load regime: arrival span, and per policy makespan and
-    queueing delay mean/p99 (s), then the summary per load (:func:`by_load`).
+    """The comparison as fixed-width tables: throughput (tok/s) and ratio to FCFS per policy,
+    then the load regime: arrival span, and per policy makespan and queueing delay mean/p99 (s),
+    then the summary per load (:func:`by_load`).
 
     A workload's row is named by its short label (:func:`traces.workload.workload_labels`), its
     spec stays in the evaluation's JSON; every line is within :data:`traces.table.WIDTH`."""
+    import textwrap
+
     from traces.table import WIDTH, cut
     from traces.table import format_table as text_table
     from traces.workload import workload_labels
 
-    results, objective = evaluation["workloads"], evaluation["objective"]
-    names = list(results[0][objective])
+    results = evaluation["workloads"]
+    names = list(results[0]["throughput_tok_s"])
     labels = workload_labels(r["workload"] for r in results)
-    means = [[label, *(f"{r[objective][n]:.4g} {r['ratio_to_fcfs'][n]:.3f}x" for n in names),
+    means = [[label, *(f"{r['throughput_tok_s'][n]:.1f} {r['ratio_to_fcfs'][n]:.3f}x" for n in names),
               f"{r['target']}: {'met' if r['target_met'] else 'NOT met'}"] for label, r in zip(labels, results)]
     loads = [[label, *(f"{r['load'][n]['makespan_s']:.1f} {r['load'][n]['queue_delay_mean_s']:.1f}/"
                        f"{r['load'][n]['queue_delay_p99_s']:.1f}" for n in names), f"{r['arrival_span_s']:.1f}"]
@@ -309,13 +296,13 @@ def format_table(evaluation: dict) -> str:
     return "\n".join([
         cut(f"held-out evaluation, profile {evaluation['profile']}, seeds {_seed_range(evaluation['seeds'])} "
             "(trace files: one run)", WIDTH),
-        f"mean {OBJECTIVE_UNITS[objective]}, x = ratio to fcfs",
+        "mean output tok/s, x = ratio to fcfs",
         text_table(["workload", *names, "target"], means, align="l" + "r" * len(names) + "l"),
         "load regime (s): makespan, then queueing delay (arrival to first scheduling) mean/p99",
         text_table(["workload", *names, "arrival span"], loads),
-        "by load: targets met; margin worst, mean; throughput over fcfs (geometric mean) of the trained policy and "
-        "of each workload's best heuristic; share of requests within the SLO; the trained policy's "
-        f"{OBJECTIVE_UNITS[objective]} over each reference, paired run by run (mean +- standard error)",
+        textwrap.fill("by load: targets met; margin worst, mean; throughput over fcfs (geometric mean) of the trained "
+                      "policy and of each workload's best heuristic; share of requests within the SLO; the trained "
+                      "policy's throughput over each reference, paired run by run (mean +- standard error)", WIDTH),
         text_table(["load", "targets", "margin", "trained tok/s", "best heuristic", "SLO fcfs", "SLO trained",
                     *(f"over {label}" for label in references)], per_load)])
 

@@ -95,8 +95,7 @@ def env_config(config: TrainConfig) -> dict:
                 "window_requests": config.window_requests, "max_decisions": config.max_decisions,
                 "kv_capacity_tokens": config.kv_capacity_tokens,
                 "max_wait_steps": config.max_wait_steps,
-                "num_candidates": config.num_candidates, "workload_instances": config.workload_instances,
-                "reward": config.reward}
+                "num_candidates": config.num_candidates, "workload_instances": config.workload_instances}
     return {key: value for key, value in settings.items() if value is not None}
 
 
@@ -152,9 +151,8 @@ class BestCheckpoint:
     (trace files: on their training part; the later part stays unseen until the final evaluation)
     among those no worse than the network PPO started from.
 
-    Score: :func:`trainer.evaluate.validation_score` (the worst workload's objective, throughput
-    or goodput as the run's reward, over its target within the 1% tolerance of the best heuristic;
-    then the mean margin), so the
+    Score: :func:`trainer.evaluate.validation_score` (the worst workload's throughput over its
+    target within the 1% tolerance of the best heuristic; then the mean margin), so the
     kept policy is the one closest to meeting every target at once, and among those meeting them
     all the one with the most gain. Needed because PPO's stochastic policy can improve while its
     greedy policy, the one deployed, gets worse. The first validation is the start (the warm-start
@@ -170,7 +168,7 @@ class BestCheckpoint:
         start = time.monotonic()
         self.algo, self.path, self.num_candidates = algo, path, config.num_candidates
         self.benchmark = Benchmark(workloads=config.training_workloads(), profile=config.profile,
-                                   seeds=config.validation_seeds, engine=config.engine(), objective=config.objective())
+                                   seeds=config.validation_seeds, engine=config.engine())
         self.best_score = (-math.inf, -math.inf)
         self.best_iteration: int | None = None
         self.start: dict | None = None   # the first validation's evaluation
@@ -228,7 +226,7 @@ def export_clone(algo, config: TrainConfig, path: Path) -> Path:
 
 
 def beyond(evaluation: dict, label: str) -> dict:
-    """Per workload, the trained policy's objective over reference ``label``'s (ratio of the
+    """Per workload, the trained policy's throughput over reference ``label``'s (ratio of the
     means, and the per-run paired ratio of :func:`trainer.evaluate.paired_ratio`), and the
     workloads where the paired ratio is significantly above or below 1
     (:func:`trainer.evaluate.paired_sign`); per load (:func:`trainer.evaluate.load_label`), the
@@ -341,7 +339,7 @@ def train(config: TrainConfig, *, progress: Callable[[str], None] = print) -> di
     loads = ", ".join(dict.fromkeys(load_label(spec) for spec in config.workloads))
     shapes = ", ".join(dict.fromkeys(workload_labels(split_load(spec)[0] for spec in config.workloads)))
     progress(f"feather-train: profile {config.profile}, {len(config.workloads)} workloads ({shapes}; "
-             f"loads {loads}), reward {config.reward}, "
+             f"loads {loads}), "
              f"{f'{config.iterations} iterations' if config.iterations else f'budget {config.time_budget_s:.0f} s'}, "
              f"output {out}")
 
@@ -388,8 +386,7 @@ def train(config: TrainConfig, *, progress: Callable[[str], None] = print) -> di
     eval_start = time.monotonic()
     references = {CLONE_LABEL: clone_path, DEMONSTRATOR_LABEL: demonstrator(config.warm_start)} if clone_path else None
     evaluation = evaluate_policy(policy_path, workloads=config.evaluation_workloads(), profile=config.profile,
-                                 seeds=config.eval_seeds, engine=config.engine(), references=references,
-                                 objective=config.objective())
+                                 seeds=config.eval_seeds, engine=config.engine(), references=references)
     progress(format_table(evaluation))
     eval_s = time.monotonic() - eval_start
     clone = demonstrated = None

@@ -5,11 +5,11 @@
 
 from gymnasium.envs.registration import register, registry
 
-from feather_gym.envs.batch_formation import DEFAULT_CONFIG, REWARDS, BatchFormationEnv
+from feather_gym.envs.batch_formation import DEFAULT_CONFIG, BatchFormationEnv
 
 ENV_ID = "feather_gym/BatchFormation-v0"
 
 if ENV_ID not in registry:
     register(id=ENV_ID, entry_point="feather_gym.envs.batch_formation:BatchFormationEnv")
 
-__all__ = ["ENV_ID", "DEFAULT_CONFIG", "REWARDS", "BatchFormationEnv"]
+__all__ = ["ENV_ID", "DEFAULT_CONFIG", "BatchFormationEnv"]

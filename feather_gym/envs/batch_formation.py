@@ -16,16 +16,11 @@ from feather_gym.observation import DEFAULT_NUM_CANDIDATES, OBS_CLIP, check_num_
 from feather_gym.orderings import CHTOrder
 from feather_gym.policies import make_policy
 from feather_gym.simulator import EngineConfig, Simulator, simulate
-from feather_gym.sweep import DEFAULT_SLOS, latency_and_goodput, meets_slo
 from traces.workload import is_generated
 
 #: Windows start on a grid of ``window_requests // WINDOW_STARTS_PER_WINDOW`` requests, so a
 #: trace of N requests offers about ``4 N / window_requests`` distinct windows, each built once.
 WINDOW_STARTS_PER_WINDOW = 4
-
-#: The env's rewards (``reward``): name -> the figure of a run it measures, against FCFS's on the
-#: same window (``SimResult.metrics``, :func:`feather_gym.sweep.latency_and_goodput`).
-REWARDS = {"throughput": "throughput_tok_s", "goodput": "goodput_req_s"}
 
 #: Defaults: whole traces (the generators make at most 1000 requests), because batch formation
 #: pays off only over many batches: a short window charges a group held out its delay but ends
@@ -46,7 +41,6 @@ DEFAULT_CONFIG = {
     "kv_capacity_tokens": None,   # None: the profile's
     "num_candidates": DEFAULT_NUM_CANDIDATES,   # k: 1 is ADD/STOP on the CHT's best candidate
     "workload_instances": 1,  # generated traces per workload spec, seeds seed .. seed + n - 1
-    "reward": "throughput",   # a key of REWARDS
 }
 
 
@@ -126,27 +120,20 @@ class BatchFormationEnv(gym.Env):
     | 8   | oldest_wait_steps            | engine steps the earliest-arrived waiting one waited | 64    |
 
     ## Rewards
-    Every step: ``r = (done - b * elapsed_s) / T``, measured against FCFS on the same window; what
-    ``done`` counts is the ``reward`` option (:data:`REWARDS`):
+    Every step: ``r = (tokens - b * elapsed_s) / T``, measured against FCFS on the same window:
 
     | Term        | Meaning                                                                        |
     |-------------|--------------------------------------------------------------------------------|
-    | done        | ``throughput`` (the default): output tokens emitted from the decision to the   |
-    |             | next one (or the episode's end); ``goodput``: requests finished in that span   |
-    |             | within the SLO (TTFT and TPOT, :data:`feather_gym.sweep.DEFAULT_SLOS` of the   |
-    |             | profile's device)                                                              |
+    | tokens      | output tokens emitted from the decision to the next one (or the episode's end)  |
     | elapsed_s   | simulated seconds of that span (zero between admissions of one engine step; the |
     |             | first step also covers the run-up to the first decision)                       |
-    | b           | FCFS's rate of it on the window: output tokens/s, or requests within the SLO/s |
-    |             | (one simulation per window)                                                    |
-    | T           | the window's total output tokens, or its number of requests                    |
+    | b           | FCFS's throughput on the window, output tokens/s (one simulation per window)   |
+    | T           | the window's total output tokens                                               |
 
-    With ``throughput`` a terminated episode has emitted ``T`` tokens in its makespan, so its
-    return is ``1 - makespan / fcfs_makespan``: the share of FCFS's time the policy saves,
-    positive exactly when it is faster than FCFS on the window. With ``goodput`` the return is
-    ``(met - b * makespan) / T``, positive exactly when its goodput (requests within the SLO per
-    second of makespan) beats FCFS's. Returns rank policies as their end-to-end throughput (or
-    goodput) on the window does, and stay of order 1 on windows of any size.
+    A terminated episode has emitted ``T`` tokens in its makespan, so its return is
+    ``1 - makespan / fcfs_makespan``: the share of FCFS's time the policy saves, positive exactly
+    when it is faster than FCFS on the window. Returns rank policies as their end-to-end
+    throughput on the window does, and stay of order 1 on windows of any size.
 
     ## Starting State
     A window of ``window_requests`` consecutive requests of one of the traces (``workload_instances``
@@ -163,8 +150,8 @@ class BatchFormationEnv(gym.Env):
     |------------|------------------------------------------------------------------------------|
     | terminated | every request of the window has finished (or was rejected as too long for    |
     |            | the KV cache); the final observation is all zeros and the info holds         |
-    |            | ``workload``, ``throughput_tok_s``, ``goodput_req_s`` and FCFS's             |
-    |            | (``baseline_...``), ``makespan_s`` and ``decisions``                         |
+    |            | ``workload``, ``throughput_tok_s``, ``baseline_throughput_tok_s`` (FCFS's),  |
+    |            | ``makespan_s`` and ``decisions``                                             |
     | truncated  | ``max_decisions`` decisions were taken, when that is positive                |
 
     A policy that always STOPs still terminates: the running batch drains, and an empty batch
@@ -181,7 +168,7 @@ class BatchFormationEnv(gym.Env):
     profile's), ``max_num_seqs``, ``max_wait_steps`` (the admission's waiting-time bound in engine steps, as deployed),
     ``kv_capacity_tokens`` (None: the profile's), ``num_candidates`` (``k``, >= 1),
     ``workload_instances`` (traces of each generator spec, seeds ``seed .. seed + n - 1``; a trace
-    file is one trace), ``reward`` (a key of :data:`REWARDS`).
+    file is one trace).
     """
 
     metadata = {"render_modes": []}
@@ -198,13 +185,10 @@ class BatchFormationEnv(gym.Env):
             raise ValueError(f"window_requests must be >= 2, got {config['window_requests']}")
         if config["max_decisions"] < 0:
             raise ValueError(f"max_decisions must be >= 0 (0: no limit), got {config['max_decisions']}")
-        if config["reward"] not in REWARDS:
-            raise ValueError(f"reward must be one of {', '.join(REWARDS)}, got {config['reward']!r}")
         self.config = config
         self.num_candidates = k = check_num_candidates(config["num_candidates"])
         profile = config["profile"] or hardware_profile()
         self.cost_model = load_cost_model(profile)
-        self.slo = DEFAULT_SLOS[self.cost_model.device]
         self.engine = EngineConfig(token_budget=config["token_budget"], max_num_seqs=config["max_num_seqs"],
                                    max_wait_steps=config["max_wait_steps"],
                                    kv_capacity_tokens=config["kv_capacity_tokens"]).resolve(self.cost_model)
@@ -274,21 +258,18 @@ class BatchFormationEnv(gym.Env):
         stride = max(1, size // WINDOW_STARTS_PER_WINDOW)
         start = stride * int(rng.integers((len(self.workloads[w]) - size) // stride + 1))
         self._episode = (w, start)
-        window, digests, self._fcfs, totals = self._window(w, start, size)
-        reward = self.config["reward"]
-        self._baseline, self._reward_scale = self._fcfs[REWARDS[reward]], totals[reward]
+        window, digests, self._baseline, self._reward_scale = self._window(w, start, size)
         self._sim = Simulator(window, self.cost_model, CHTOrder(), config=self.engine, digests=digests,
                               num_candidates=self.num_candidates)
-        self._rewarded = (0, self._sim.now_s)   # what the reward counts, and the clock, already rewarded
+        self._rewarded = (0, self._sim.now_s)   # tokens and clock already rewarded
         return self._sim.next_admission()
 
     def _window(self, w: int, start: int, size: int):
-        """``(trace, digests, fcfs, totals)`` of a window, built once and cached in the shared
-        :class:`WorkloadSet`.
+        """``(trace, digests, baseline_rate, total_output_tokens)`` of a window, built once and
+        cached in the shared :class:`WorkloadSet`.
 
-        The trace is ``size`` requests from ``start`` with arrivals shifted to 0; ``fcfs`` holds
-        the figures of :data:`REWARDS` of one simulation of it under FCFS (the baselines), and
-        ``totals`` what each reward counts in the whole window (by reward name).
+        The trace is ``size`` requests from ``start`` with arrivals shifted to 0; the baseline
+        rate (output tokens/s) is one simulation of it under FCFS.
         """
         key = (w, start, size)
         if key not in self._windows:
@@ -300,37 +281,23 @@ class BatchFormationEnv(gym.Env):
             digests = self._digests[w][start:start + size]
             baseline = simulate(window, self.cost_model, make_policy("fcfs"),
                                 config=self.engine, digests=digests)
-            metrics = baseline.metrics()
-            fcfs = {"throughput_tok_s": metrics["throughput_tok_s"],
-                    "goodput_req_s": latency_and_goodput(baseline, self.slo, metrics["makespan_s"])["goodput_req_s"]}
-            totals = {"throughput": sum(r.output_len for r in shifted), "goodput": len(shifted)}
-            self._windows[key] = (window, digests, fcfs, totals)
+            total_output = sum(r.output_len for r in shifted)
+            self._windows[key] = (window, digests, baseline.metrics()["throughput_tok_s"], total_output)
         return self._windows[key]
 
-    def _done(self) -> int:
-        """What the reward counts, so far in the episode: output tokens emitted (``throughput``) or
-        requests finished within the SLO (``goodput``)."""
-        if self.config["reward"] == "throughput":
-            return self._sim.tokens_out
-        return int(meets_slo(self._sim.result(), self.slo).sum())
-
     def _reward(self) -> float:
-        """Reward of everything since the last one (the first step also covers the reset's run-up).
-        Between admissions of one engine step the clock stands and nothing is emitted or finishes."""
+        """Reward of everything since the last one (the first step also covers the reset's run-up)."""
         sim = self._sim
-        done, now = self._rewarded
-        if sim.now_s != now:
-            self._rewarded = (self._done(), sim.now_s)
-        return float((self._rewarded[0] - done - self._baseline * (sim.now_s - now)) / self._reward_scale)
+        tokens, now = self._rewarded
+        self._rewarded = (sim.tokens_out, sim.now_s)
+        return float((sim.tokens_out - tokens - self._baseline * (sim.now_s - now)) / self._reward_scale)
 
     def _final_info(self) -> dict:
         sim = self._sim
-        makespan = max(sim.now_s, 1e-9)
         return {
             "workload": self.workloads[self._episode[0]].name,
-            "throughput_tok_s": sim.tokens_out / makespan,
-            "goodput_req_s": int(meets_slo(sim.result(), self.slo).sum()) / makespan,
-            **{f"baseline_{figure}": value for figure, value in self._fcfs.items()},
+            "throughput_tok_s": sim.tokens_out / max(sim.now_s, 1e-9),
+            "baseline_throughput_tok_s": self._baseline,
             "makespan_s": sim.now_s,
             "decisions": sim.num_decisions,
         }
