@@ -69,9 +69,11 @@ CPU_MOONCAKE = "mooncake@0-0.1"
 
 #: The built-in mixes, by the profile's device: prefix sharing of several shapes plus a
 #: no-sharing control, so the policy learns both to form homogeneous batches and to keep
-#: batches full when nothing is shared; each generator at the load factors of
+#: batches full when nothing is shared; on CPU each generator at the load factors of
 #: :data:`MIX_LOADS` and at its own arrival rate, and the time-split Mooncake trace at those
-#: loads. Each is sized for its engine: the GPU mix would keep a 2-core CPU engine busy for hours
+#: loads (the GPU mix's 1,000-request traces are at their own rate only: a capacity search costs
+#: ten of their runs, and its validation already runs each of them on every seed and baseline).
+#: Each is sized for its engine: the GPU mix would keep a 2-core CPU engine busy for hours
 #: (every admission then passes the waiting-time bound and no decision is left to learn), so
 #: the CPU mix is every generator's shape at the live bench's scale (arriving at 1,000/s, the
 #: bursts the live benches serve by default, :data:`traces.workload.CPU_ENGINE_WORKLOADS`) and
@@ -84,8 +86,8 @@ CPU_MOONCAKE = "mooncake@0-0.1"
 #: several windows itself. A shared trace absent from this machine is left out of the mix
 #: (:func:`profile_mix`).
 DEFAULT_MIXES: dict[str, TrainingMix] = {
-    "cuda": TrainingMix((*(gpu := ("prefix-groups:groups=5,prefix_tokens=5000,rate=100", "prefix-groups",
-                                   "tool-agent", "no-sharing")), *at_loads(gpu), *at_loads(("mooncake",)))),
+    "cuda": TrainingMix(("prefix-groups:groups=5,prefix_tokens=5000,rate=100", "prefix-groups", "tool-agent",
+                         "no-sharing")),
     "cpu": TrainingMix((*CPU_ENGINE_WORKLOADS, *at_loads(CPU_ENGINE_WORKLOADS), *at_loads((CPU_MOONCAKE,))),
                        kv_capacity_tokens=5760, workload_instances=16),
 }
