@@ -102,6 +102,9 @@ def test_the_cpu_mix_has_every_generators_shape_at_every_load_and_the_time_split
     assert set(CPU_ENGINE_WORKLOADS) <= set(mix)                                  # and the bursts, as before
     train, held_out = (split_spec(f"{CPU_MOONCAKE}@load=0.9", part) for part in ("train", "eval"))
     assert (train, held_out) == ("mooncake@0-0.07@load=0.9", "mooncake@0.07-0.1@load=0.9")
+    described = DEFAULT_MIXES["cpu"].describe()                                   # --help and the run's first line
+    assert "multi-turn at own rate, load 0.6, load 0.9, load 1.3" in described
+    assert described.endswith("; mooncake@0-0.1 at load 0.6, load 0.9, load 1.3")
 
 
 def test_a_missing_shared_trace_is_left_out_of_the_built_in_mix(monkeypatch, tmp_path):

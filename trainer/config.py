@@ -50,6 +50,22 @@ class TrainingMix:
     kv_capacity_tokens: int | None = None
     workload_instances: int = 1
 
+    def describe(self) -> str:
+        """The mix in a line: its workloads' short labels, grouped by the rates they run at (their
+        own, or load factors of their capacity)."""
+        from feather_gym.load import split_load
+        from traces.workload import workload_labels
+
+        bases = [split_load(spec) for spec in self.workloads]
+        rates: dict[str, list[str]] = {}
+        for label, (_, load) in zip(workload_labels(base for base, _ in bases), bases):
+            rates.setdefault(label, []).append("own rate" if load is None else f"load {load:g}")
+        groups: dict[tuple[str, ...], list[str]] = {}
+        for label, at in rates.items():
+            groups.setdefault(tuple(at), []).append(label)
+        return "; ".join(" ".join(labels) + ("" if at == ("own rate",) else f" at {', '.join(at)}")
+                         for at, labels in groups.items())
+
 
 #: The load factors of FCFS's capacity (:mod:`feather_gym.load`) the built-in mixes train at, from
 #: underload to overload: a service runs near its capacity, not at a burst's rate.
@@ -121,7 +137,7 @@ class TrainConfig:
     workloads: tuple[str, ...] | None = field(default=None, metadata={"help": (
         "workload of the training mix (repeat for a mix): a trace file, a shared-trace name or KIND[:key=value,...]; "
         "default: the built-in mix of the profile's device ("
-        + "; ".join(f"{device}: {' '.join(mix.workloads)}" for device, mix in DEFAULT_MIXES.items()) + ")")})
+        + "; ".join(f"{device}: {mix.describe()}" for device, mix in DEFAULT_MIXES.items()) + ")")})
     profile: str | None = field(default=None, metadata={
         "help": "cost-model profile name or file; default: the shipped one for this hardware"})
     kv_capacity_tokens: int | None = field(default=None, metadata={"min": 1,

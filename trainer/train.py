@@ -33,7 +33,7 @@ from pathlib import Path
 
 from feather_gym.policies import Policy
 from traces.workload import workload_labels
-from trainer.config import TrainConfig, training_env_seed
+from trainer.config import TrainConfig, TrainingMix, training_env_seed
 from trainer.logs import IterationRecord, RunLog
 
 RLLIB_ENV_NAME = "feather-batch-formation"
@@ -327,8 +327,7 @@ def _time_line(spent: dict) -> str:
 
 def train(config: TrainConfig, *, progress: Callable[[str], None] = print) -> dict:
     """Run the whole job of the module docstring; returns the summary (also in summary.json)."""
-    from feather_gym.load import split_load
-    from trainer.evaluate import evaluate_policy, format_table, load_label
+    from trainer.evaluate import evaluate_policy, format_table
     from trainer.export import export_policy_module, load_policy_network, write_training_info
     from trainer.warm_start import PLAYOUT_SHARE, demonstrator, warm_start
 
@@ -336,10 +335,8 @@ def train(config: TrainConfig, *, progress: Callable[[str], None] = print) -> di
     config.validate()
     out = Path(config.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    loads = ", ".join(dict.fromkeys(load_label(spec) for spec in config.workloads))
-    shapes = ", ".join(dict.fromkeys(workload_labels(split_load(spec)[0] for spec in config.workloads)))
-    progress(f"feather-train: profile {config.profile}, {len(config.workloads)} workloads ({shapes}; "
-             f"loads {loads}), "
+    progress(f"feather-train: profile {config.profile}, {len(config.workloads)} workloads "
+             f"({TrainingMix(config.workloads).describe()}), "
              f"{f'{config.iterations} iterations' if config.iterations else f'budget {config.time_budget_s:.0f} s'}, "
              f"output {out}")
 
