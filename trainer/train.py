@@ -320,8 +320,13 @@ def time_report(config: TrainConfig, *, build_s: float, warm: dict | None, best:
                                          "validation_s", "ppo_s")}}
 
 
+#: How :func:`_time_line` names the budget's parts.
+_BUDGET_PARTS = {"warm_start_record": "demonstrations", "warm_start_fit": "cloning",
+                 "validation_benchmark": "validation baselines", "validation": "validations", "ppo": "PPO"}
+
+
 def _time_line(spent: dict) -> str:
-    shares = ", ".join(f"{name.replace('_', ' ')} {100 * share:.0f}%" for name, share in spent["budget_share"].items())
+    shares = ", ".join(f"{_BUDGET_PARTS[name]} {100 * share:.0f}%" for name, share in spent["budget_share"].items())
     return f"time: {spent['total_s']:.0f} s in all; of the budget: {shares}"
 
 
