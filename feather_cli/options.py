@@ -85,12 +85,13 @@ def split_workload(text: str) -> tuple[str, str]:
     """``"NAME=SPEC"`` -> ``(NAME, SPEC)``; ``"SPEC"`` -> ``(label, SPEC)``, ``label`` its
     :func:`~traces.workload.workload_label`.
 
-    ``kind:key=value`` has its '=' after a ':', so only a '=' before any ':' names the workload.
+    ``kind:key=value`` has its '=' after a ':' and ``SPEC@load=X`` after an '@', so only a '='
+    before any ':' and any '@' names the workload.
     """
     from traces.workload import workload_label
 
     name, sep, spec = text.partition("=")
-    if not sep or ":" in name:
+    if not sep or ":" in name or "@" in name:
         return workload_label(text), text
     return name, spec
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-DEFAULT_POLICIES = "fcfs,lpm,dfs,feather-rule,group-label"
+DEFAULT_POLICIES = "fcfs,lpm,dfs,hrrn,feather-rule,group-label"
 
 
 def compare_policies(trace, cost_model, policy_names: list[str], config=None) -> dict[str, dict]:

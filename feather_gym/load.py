@@ -135,3 +135,35 @@ def resolve_at_load(spec: str, *, seed: int, cost_model, config=None, max_reques
     capacity = find_capacity(trace, cost_model, config)
     return at_load(trace, capacity, load), {"load": load, "arrival_rate_req_s": capacity.requests_per_s * load,
                                             **capacity.as_dict()}
+
+
+class LoadedWorkloads:
+    """The traces of workload specs that may end in ``@load=X`` on one cost model and engine
+    configuration, with their block digests (``trace_digests`` at the engine's block size).
+
+    Each trace (a spec less its load factor, at a seed) is resolved, hashed and, when some spec
+    asks for a load of it, its capacity searched once, whatever loads are asked of it: the
+    loads of one trace share its capacity, and a trace replayed at another rate keeps its prompts."""
+
+    def __init__(self, cost_model, config) -> None:
+        self.cost_model, self.config = cost_model, config
+        self._traces: dict[tuple[str, int], tuple[Trace, list]] = {}
+        self._capacities: dict[tuple[str, int], Capacity] = {}
+
+    def get(self, spec: str, seed: int) -> tuple[Trace, list]:
+        """``(trace, digests)`` of ``spec`` at ``seed``: the workload, at its load factor when it has one."""
+        from feather_gym.simulator import EngineConfig, trace_digests
+        from traces import resolve_workload
+
+        base, load = split_load(spec)
+        key = (base, seed)
+        if key not in self._traces:
+            trace = resolve_workload(base, seed=seed)
+            block_size = (self.config or EngineConfig()).block_size or self.cost_model.block_size
+            self._traces[key] = (trace, trace_digests(trace, block_size))
+        trace, digests = self._traces[key]
+        if load is None:
+            return trace, digests
+        if key not in self._capacities:
+            self._capacities[key] = find_capacity(trace, self.cost_model, self.config, digests=digests)
+        return at_load(trace, self._capacities[key], load), digests

@@ -21,9 +21,11 @@ DFSWeightOrder     SGLang DFS-weight: depth-first over the cached-prefix tree,  
                    heavier subtrees first
 GroupOrder         group labels: the earliest waiting request of the group with the most   O(B + groups) per step
                    running requests, else FCFS (knows ``Request.group``)
+HRRNOrder          SGLang HRRN: highest ``(waiting + service) / service``, both in   O(W x depth) per step
+                   engine steps (service: the uncached prompt over the token budget)
 =================  ================================================================  =====================
 
-The per-step orderings (LPM, DFS-weight, group) compute one order per engine step, as
+The per-step orderings (LPM, DFS-weight, group, HRRN) compute one order per engine step, as
 SGLang does once per scheduling round, and hand out its entries in turn.
 """
 
@@ -208,3 +210,31 @@ class GroupOrder(_PerStepOrder):
         waiting = self.fcfs_waiting()
         rank = {group: -count for group, count in running.items()}
         return sorted(waiting, key=lambda idx: rank.get(group_of[idx], 0))
+
+
+class HRRNOrder(_PerStepOrder):
+    """SGLang's highest-response-ratio-next: the highest ``(waiting + service) / service`` first,
+    ties FCFS.
+
+    Both terms are in engine steps, never seconds (as every waiting figure of the project, see
+    :mod:`feather_gym.observation`): ``waiting`` is the steps the request has waited
+    (``sim.wait_steps``), ``service`` its expected prefill, the prompt tokens not resident in
+    the KV cache (at least one: vLLM always computes the last) over the engine's token budget
+    per step. As in SGLang the service is the prefill work alone, since a scheduler does not know
+    output lengths. So the ratio is ``1 + waiting x budget / uncached tokens``: shortest uncached
+    prefill first, aged by waiting, and a request passed over grows in ratio every step until
+    it comes first, however many shorter requests keep arriving (LPM's and DFS-weight's
+    starvation; the waiting-time bound of the admission is the other answer to it).
+    """
+
+    def _step_order(self) -> list[int]:
+        sim = self.sim
+        budget, block, digests = sim.config.token_budget, sim.block_size, sim.digest_lists
+
+        def ratio(idx: int) -> float:
+            uncached = max(1, sim.context_tokens(idx) - block * sim.kv.cached_prefix(digests[idx]))
+            return 1.0 + sim.wait_steps(idx) * budget / uncached
+
+        waiting = self.fcfs_waiting()
+        ratios = {idx: ratio(idx) for idx in waiting}
+        return sorted(waiting, key=lambda idx: -ratios[idx])   # stable: FCFS among equals

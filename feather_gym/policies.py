@@ -23,6 +23,9 @@ feather-rule    CHTOrder          the threshold rule of the Feather vLLM pull re
 cht-dfs         CHTOrder, k = 4   always admits, choosing among the CHT's 4 candidate groups
                                   the one with the most waiting requests (DFS-weight's
                                   heavier-subtree-first as a k-way choice)
+hrrn            HRRNOrder         always ADD: SGLang's highest-response-ratio-next (waiting
+                                  and uncached prefill in engine steps); simulator-only, see
+                                  :func:`hrrn`
 group-label     GroupOrder        ADD within the running groups (the generators' group
                                   labels), else STOP once the batch reaches ``min_batch``;
                                   not an upper bound, and FCFS on traces without labels
@@ -47,7 +50,7 @@ from abc import ABC, abstractmethod
 import numpy as np
 
 from feather_gym.observation import ADD, DEFAULT_NUM_CANDIDATES, FEATURE_INDEX, STOP
-from feather_gym.orderings import CHTOrder, DFSWeightOrder, FCFSOrder, GroupOrder, LPMOrder, WaitingOrder
+from feather_gym.orderings import CHTOrder, DFSWeightOrder, FCFSOrder, GroupOrder, HRRNOrder, LPMOrder, WaitingOrder
 
 #: Waiting-time bound of the admission, in engine steps, in the simulator and in the deployed
 #: scheduler alike: the earliest-arrived waiting request is admitted, unasked, once this many
@@ -156,6 +159,19 @@ class FeatherRule(Policy):
             self._last_refused_step = point.step
             self._refused_steps += 1
         return ADD if point.batch_size < self.floor else STOP
+
+
+def hrrn() -> AlwaysAdd:
+    """SGLang's HRRN as a baseline: admits whatever :class:`~feather_gym.orderings.HRRNOrder`
+    proposes, the starvation-free answer of a cache-aware order (LPM, DFS-weight) to tail latency.
+
+    Simulator-only, like ``lpm`` and ``dfs``: the Feather scheduler in vLLM proposes the CHT's
+    candidates (:func:`deploy.scheduler.load_deployable_policy` refuses every other ordering), and
+    the observation a deployed policy reads has no per-request waiting time, only the oldest
+    request's. Deployed, HRRN would be a waiting queue of its own (vLLM's ``RequestQueue``
+    ranking every waiting request by its ratio each step), not a policy over the CHT's candidates.
+    """
+    return AlwaysAdd("hrrn", HRRNOrder)
 
 
 class HeaviestGroup(Policy):
@@ -300,6 +316,7 @@ BASELINES = {
     "lpm": lambda: AlwaysAdd("lpm", LPMOrder),
     "dfs": lambda: AlwaysAdd("dfs", DFSWeightOrder),
     "cht": lambda: AlwaysAdd("cht", CHTOrder),
+    "hrrn": hrrn,
     "feather-rule": FeatherRule,
     "cht-dfs": HeaviestGroup,
     "group-label": GroupLabelPolicy,

@@ -260,8 +260,8 @@ class Simulator:
     block size, ``config.resolve(cost_model).block_size``) may be passed to share the hashing
     across runs of one trace. ``num_candidates`` is how many candidates a decision offers (the
     policy's ``k``, :mod:`feather_gym.observation`). It implements :class:`~feather_gym.observation.AdmissionView`
-    (``tree``, ``num_running``, ``kv_utilisation``, ``oldest_wait_steps``, ``context_tokens``).
-    Public read-only state used by orderings and observations: ``now_s``, ``step``, ``cht``,
+    (``tree``, ``num_running``, ``kv_utilisation``, ``oldest_wait_steps``, ``context_tokens``) and
+    :meth:`wait_steps`. Public read-only state used by orderings and observations: ``now_s``, ``step``, ``cht``,
     ``kv``, ``running`` (dict, admission order), ``digest_lists`` (prompt digests),
     ``group_of``; counter ``tokens_out``.
     """
@@ -436,7 +436,12 @@ class Simulator:
         """Engine steps the earliest-arrived waiting request has waited before this one (0 in the
         step it arrived, and when none waits)."""
         oldest = self._oldest_waiting()
-        return 0 if oldest is None else self.step - self._arrival_step[oldest]
+        return 0 if oldest is None else self.wait_steps(oldest)
+
+    def wait_steps(self, idx: int) -> int:
+        """Engine steps waiting request ``idx`` has waited before this one, since the step it
+        arrived in (0 in that step; a preempted request keeps its arrival step)."""
+        return self.step - self._arrival_step[idx]
 
     def context_tokens(self, idx: int) -> int:
         return self._input_len[idx] + self._emitted[idx]
@@ -512,7 +517,7 @@ class Simulator:
                 oldest = self._oldest_waiting()
                 if oldest is None:
                     break
-                overdue = self.step - self._arrival_step[oldest] >= self.config.max_wait_steps
+                overdue = self.wait_steps(oldest) >= self.config.max_wait_steps
                 idx = oldest if overdue else self.order.peek()
                 asked = not overdue and bool(self.running)
             if asked:

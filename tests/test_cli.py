@@ -60,6 +60,8 @@ def test_workload_flag_takes_a_name_or_a_bare_spec():
     assert split_workload("heavy=prefix-groups:num_groups=4") == ("heavy", "prefix-groups:num_groups=4")
     assert split_workload("prefix-groups:num_groups=4") == ("prefix-groups", "prefix-groups:num_groups=4")
     assert split_workload("runs/my-trace.jsonl@0.7-1") == ("my-trace@0.7-1", "runs/my-trace.jsonl@0.7-1")
+    assert split_workload("mooncake@load=0.9") == ("mooncake@load=0.9", "mooncake@load=0.9")   # a load, not a name
+    assert split_workload("busy=mooncake@load=0.9") == ("busy", "mooncake@load=0.9")
     assert parse_workloads(["a=mooncake", "no-sharing"]) == {"a": "mooncake", "no-sharing": "no-sharing"}
     assert parse_workloads(["prefix-groups:groups=2", "prefix-groups:groups=3"]) == {
         "prefix-groups#1": "prefix-groups:groups=2", "prefix-groups#2": "prefix-groups:groups=3"}

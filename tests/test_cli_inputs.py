@@ -170,11 +170,14 @@ def test_the_held_out_table_names_workloads_by_label_within_120_columns():
              "no-sharing:num_requests=32"]
     results = [{"workload": spec, "throughput_tok_s": dict.fromkeys(names, 1234.5),
                 "ratio_to_fcfs": dict.fromkeys(names, 1.0123), "target": ">= best heuristic (feather-rule)",
-                "target_met": True, "arrival_span_s": 0.1,
-                "load": {n: {"makespan_s": 12.3, "queue_delay_mean_s": 1.2, "queue_delay_p99_s": 3.4} for n in names}}
+                "target_met": True, "arrival_span_s": 0.1, "margin": 1.0, "trained_runs": [1234.5],
+                "reference_runs": {"warm-start": [1234.5]},
+                "load": {n: {"makespan_s": 12.3, "queue_delay_mean_s": 1.2, "queue_delay_p99_s": 3.4,
+                             "slo_met_fraction": 0.5} for n in names}}
                for spec in specs]
     text = held_out_table({"profile": "vllm-cpu", "seeds": list(range(10_001, 10_031)), "workloads": results})
     assert max(map(len, text.splitlines())) <= WIDTH
     assert LONG_SPEC[:40] not in text and "suffix_tokens_min" not in text
     rows = {line.split()[0] for line in text.splitlines() if line.endswith("met") or line.endswith("0.1")}
     assert rows == {"prefix-groups#1", "prefix-groups#2", "chat_trace@0.7-1", "no-sharing"}
+    assert "over warm-start" in text and text.splitlines()[-1].startswith("recorded ")     # the summary per load

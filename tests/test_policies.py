@@ -64,15 +64,19 @@ def precache(sim, prefix) -> None:
     sim.kv.release("warm-up")
 
 
-def run_with_cached(trace, cost_model, policy_name, prefixes):
+#: One request at a time and no waiting-time bound: the order alone decides who goes next.
+UNBOUNDED_SERIAL = EngineConfig(block_size=BS, max_num_seqs=1, max_wait_steps=10**6)
+
+
+def run_with_cached(trace, cost_model, policy_name, prefixes=(), config=SERIAL):
     """Simulate with ``prefixes`` already resident (cached, unreferenced) in the KV cache."""
     policy = make_policy(policy_name)
-    sim = Simulator(trace, cost_model, policy.make_order(), config=SERIAL)
+    sim = Simulator(trace, cost_model, policy.make_order(), config=config)
     for prefix in prefixes:
         precache(sim, prefix)
     while (point := sim.next_admission()) is not None:
         sim.apply(policy.decide(point))
-    return admission_order(sim.result())
+    return sim.result()
 
 
 def test_fcfs_admits_in_arrival_order(h200):
@@ -87,7 +91,7 @@ def test_fcfs_fills_the_batch_up_to_max_num_seqs(h200):
 
 
 def test_lpm_prefers_the_longest_cached_prefix(h200):
-    order = run_with_cached(cached_prefix_trace(), h200, "lpm", [P, Q])
+    order = admission_order(run_with_cached(cached_prefix_trace(), h200, "lpm", [P, Q]))
     assert order[:3] == [1, 2, 3] and order[3] == 0       # equal cached depth: FCFS among them, W last
 
 
@@ -103,10 +107,36 @@ def test_lpm_falls_back_to_fcfs_beyond_its_queue_limit(h200):
 
 
 def test_dfs_weight_visits_the_heavier_cached_subtree_first(h200):
-    order = run_with_cached(cached_prefix_trace(), h200, "dfs", [P, Q])
+    order = admission_order(run_with_cached(cached_prefix_trace(), h200, "dfs", [P, Q]))
     # Q's subtree (2 waiting) before P's (1) although X arrived first; once Y1 runs the
     # subtrees weigh 1 each and the tie goes to the first seen (X); uncached W comes last.
     assert order == [2, 1, 3, 0]
+
+
+def test_hrrn_takes_the_shortest_uncached_prefill_among_equal_waits(h200):
+    """R runs first; A (4 blocks + 10 tokens, uncached), B (P cached + 10 tokens) and C (2 blocks + 10)
+    arrive together and wait alike, so the ratio ranks them by uncached prompt: B, C, A."""
+    trace = Trace("t", [req(0, 0.0, tokens(3, 100), output_len=40),
+                        req(1, 1e-6, tokens(4, 4 * BS + 10)),
+                        req(2, 1e-6, np.concatenate([P, tokens(5, 10)])),
+                        req(3, 1e-6, tokens(6, 2 * BS + 10))])
+    assert admission_order(run_with_cached(trace, h200, "hrrn", [P], UNBOUNDED_SERIAL)) == [0, 2, 3, 1]
+    assert admission_order(run_with_cached(trace, h200, "fcfs", [P], UNBOUNDED_SERIAL)) == [0, 1, 2, 3]
+
+
+def test_hrrn_ages_a_long_request_past_a_short_newcomer(h200):
+    """L (12 blocks) waits the whole of R's 300 decode steps; S (50 tokens) arrives for R's last
+    steps. S's prefill is 60x shorter, but L has waited far more than 60x longer: L goes first
+    (shortest-prefill-first would starve it). Had S arrived with L, S would have gone first."""
+    def trace(s_arrival):
+        return Trace("t", [req(0, 0.0, tokens(3, 100), output_len=300), req(1, 1e-6, tokens(4, 12 * BS)),
+                           req(2, s_arrival, tokens(5, 50))])
+
+    r_done = simulate(trace(1e-6), h200, make_policy("fcfs"), config=UNBOUNDED_SERIAL).finish_s[0]
+    late = run_with_cached(trace(r_done * (1 - 1e-3)), h200, "hrrn", config=UNBOUNDED_SERIAL)
+    assert admission_order(late) == [0, 1, 2]
+    assert late.arrival_s[2] > late.first_token_s[0] + 0.99 * (late.finish_s[0] - late.first_token_s[0])
+    assert admission_order(run_with_cached(trace(1e-6), h200, "hrrn", config=UNBOUNDED_SERIAL)) == [0, 2, 1]
 
 
 def two_group_trace(n=6):
@@ -243,7 +273,7 @@ def test_make_policy_names_and_errors():
     assert make_policy("rule-playout-sampled").samples == DEFAULT_PLAYOUT_SAMPLES
     with pytest.raises(ValueError, match="samples: at least 1"):
         RulePlayout(samples=0)
-    for name in ("fcfs", "lpm", "dfs", "feather-rule", "group-label"):
+    for name in ("fcfs", "lpm", "dfs", "hrrn", "feather-rule", "group-label"):
         assert make_policy(name).name == name
     with pytest.raises(OSError, match="missing.onnx"):     # a policy file is loaded (and checked) when built
         make_policy("runs/missing.onnx")

@@ -58,6 +58,16 @@ def test_shared_mooncake_trace_split():
     assert len(held_out) > 1000 and len(train) > 2 * len(held_out)
 
 
+def test_a_time_window_splits_within_itself_and_a_load_factor_stays_last(trace_file):
+    assert split_spec(f"{trace_file}@0.2-0.6", "train") == f"{trace_file}@0.2-0.48"
+    assert split_spec(f"{trace_file}@0.2-0.6", "eval") == f"{trace_file}@0.48-0.6"
+    assert split_spec(f"{trace_file}@load=0.9", "eval") == f"{trace_file}@0.7-1@load=0.9"
+    assert split_spec(f"{GENERATED}@load=0.9", "train") == f"{GENERATED}@load=0.9"
+    window = resolve_workload(f"{trace_file}@0.2-0.6")
+    parts = [resolve_workload(split_spec(f"{trace_file}@0.2-0.6", part)) for part in ("train", "eval")]
+    assert [r.request_id for part in parts for r in part] == [r.request_id for r in window]   # disjoint, in order
+
+
 def test_generators_keep_seed_splits():
     for part in ("train", "eval"):
         assert split_spec(GENERATED, part) == GENERATED
@@ -82,7 +92,6 @@ def test_time_window_keeps_requests_and_shifts_arrivals(trace_file):
     (lambda f: split_spec(f, "test"), "one of train, eval"),
     (lambda f: split_spec(f, "eval", 1.0), "eval_fraction: must be in \\(0, 1\\)"),
     (lambda f: split_spec(f, "eval", 0.0), "eval_fraction: must be in \\(0, 1\\)"),
-    (lambda f: split_spec(f"{f}@0-0.5", "eval"), "already a time window"),
     (lambda f: resolve_workload(f"{f}@0.6-0.2"), "need 0 <= start < end <= 1"),
     (lambda f: resolve_workload(f"{f}@0.5-1.5"), "need 0 <= start < end <= 1"),
     (lambda f: resolve_workload(f"{f}@0.9999-0.99995"), "no request arrives"),

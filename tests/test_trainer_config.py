@@ -88,11 +88,32 @@ def test_the_built_in_mix_follows_the_profiles_device(profile, device):
     assert given.workload_instances == 1
 
 
-def test_the_cpu_mix_has_every_generators_shape():
+def test_the_cpu_mix_has_every_generators_shape_at_every_load_and_the_time_split_mooncake_trace():
     from traces import GENERATOR_KINDS
+    from traces.workload import CPU_ENGINE_WORKLOADS, split_spec
+    from trainer.config import CPU_MOONCAKE, MIX_LOADS
 
-    kinds = {spec.partition(":")[0] for spec in DEFAULT_MIXES["cpu"].workloads}
+    mix = DEFAULT_MIXES["cpu"].workloads
+    kinds = {spec.partition(":")[0] for spec in mix if spec.partition(":")[0] in GENERATOR_KINDS}
     assert kinds == set(GENERATOR_KINDS)
+    assert min(MIX_LOADS) <= 0.6 and max(MIX_LOADS) >= 1.3
+    for spec in (*CPU_ENGINE_WORKLOADS, CPU_MOONCAKE):
+        assert {f"{spec}@load={load:g}" for load in MIX_LOADS} <= set(mix)
+    assert set(CPU_ENGINE_WORKLOADS) <= set(mix)                                  # and the bursts, as before
+    train, held_out = (split_spec(f"{CPU_MOONCAKE}@load=0.9", part) for part in ("train", "eval"))
+    assert (train, held_out) == ("mooncake@0-0.07@load=0.9", "mooncake@0.07-0.1@load=0.9")
+    described = DEFAULT_MIXES["cpu"].describe()                                   # --help and the run's first line
+    assert "multi-turn at own rate, load 0.6, load 0.9, load 1.3" in described
+    assert described.endswith("; mooncake@0-0.1 at load 0.6, load 0.9, load 1.3")
+
+
+def test_a_missing_shared_trace_is_left_out_of_the_built_in_mix(monkeypatch, tmp_path):
+    from trainer.config import profile_mix
+
+    monkeypatch.setenv("FEATHER_SHARED_DIR", str(tmp_path))
+    mix = profile_mix("vllm-cpu").workloads
+    assert mix and not any("mooncake" in spec for spec in mix)
+    assert set(mix) == {spec for spec in DEFAULT_MIXES["cpu"].workloads if "mooncake" not in spec}
 
 
 @pytest.mark.parametrize("suffix,text", [
@@ -194,8 +215,8 @@ def test_seed_sets_follow_the_env_runners_and_the_warm_start():
     assert sets["training env seeds (seed + 1000 x env runner)"] == (1_005, 2_005)
     several = TrainConfig(workloads=SMALL, seed=5, num_env_runners=2, workload_instances=3).seed_sets()
     assert several["training env seeds (seed + 1000 x env runner)"] == (1_005, 1_006, 1_007, 2_005, 2_006, 2_007)
-    # The playout-improved warm start (the default) records 16 seeds; the flag sets its gain or turns it off.
-    assert sets["warm-start demonstration seeds"] == tuple(range(50_000, 50_016))
+    # The playout-improved warm start (the default) records 8 seeds; the flag sets its gain or turns it off.
+    assert sets["warm-start demonstration seeds"] == tuple(range(50_000, 50_008))
     improved = build_config({"workloads": list(SMALL)}, flags(["--improve-warm-start", "0.02"]))
     assert improved.improve_warm_start == 0.02
     plain = build_config({"workloads": list(SMALL), "improve_warm_start": 0.02}, flags(["--improve-warm-start", "off"]))

@@ -82,7 +82,7 @@ def test_the_reference_is_compared_on_the_same_runs(heavy_bench):
     runs = heavy_bench.runs(heavy, trained)["throughput_tok_s"]
     expected = paired_ratio(runs, heavy_bench.runs(heavy, clone)["throughput_tok_s"])
     assert result["trained_over_reference_paired"] == {"clone": expected}
-    assert result["trained_runs_tok_s"] == runs.tolist()
+    assert result["trained_runs"] == runs.tolist()
     assert expected["runs_slower"] == 3 and expected["ratio_mean"] < 1
 
 
@@ -106,15 +106,41 @@ def test_slower_workloads_pairs_two_evaluations_of_one_benchmark(heavy_bench):
 
 
 def test_beyond_a_reference_counts_only_differences_beyond_noise():
-    def result(spec, mean, sem):
+    def result(spec, mean, sem, runs=((1.0, 1.0),)):
         pair = {"ratio_mean": mean, "ratio_sem": sem, "runs_faster": 0, "runs_slower": 0}
         return {"workload": spec, "trained_over_reference": {"clone": mean},
-                "trained_over_reference_paired": {"clone": pair}}
+                "trained_over_reference_paired": {"clone": pair}, "trained_runs": [run[0] for run in runs],
+                "reference_runs": {"clone": [run[1] for run in runs]}}
 
     clone = beyond({"workloads": [result("learned", 1.01, 0.004), result("noise", 1.01, 0.006),
                                   result("lost", 0.99, 0.001), result("tie", 1 + TIE_TOLERANCE / 2, 0.0)]}, "clone")
     assert clone["better_on"] == ["learned"] and clone["worse_on"] == ["lost"]
     assert clone["ratio_by_workload"]["noise"] == 1.01 and clone["paired_by_workload"]["tie"]["ratio_sem"] == 0.0
+    # Per load, every run of the load's workloads is paired; a workload at its own rate is "recorded".
+    loads = beyond({"workloads": [result("a@load=0.9", 1.0, 0.1, ((11.0, 10.0), (9.0, 10.0))),
+                                  result("b@load=0.9", 1.2, 0.0, ((12.0, 10.0),)), result("lost", 0.99, 0.001)]},
+                   "clone")["by_load"]
+    assert list(loads) == ["0.9", "recorded"]
+    assert loads["0.9"]["ratio_mean"] == pytest.approx((1.1 + 0.9 + 1.2) / 3)
+    assert (loads["0.9"]["runs_faster"], loads["0.9"]["runs_slower"]) == (2, 1)
+    assert loads["0.9"]["better_on"] == ["b@load=0.9"] and loads["recorded"]["worse_on"] == ["lost"]
+
+
+def test_by_load_sums_an_evaluation_up_per_load(bench):
+    from trainer.evaluate import RECORDED_RATE, by_load
+
+    loaded = Benchmark(workloads=(f"{WORKLOADS[1]}@load=1.3", f"{WORKLOADS[0]}@load=0.6", WORKLOADS[0]),
+                       profile="cpu", seeds=(10_001, 10_002))
+    evaluation = loaded.evaluate(make_policy("lpm"), {"clone": make_policy("lpm")})
+    summary = by_load(evaluation)
+    assert list(summary) == ["0.6", "1.3", RECORDED_RATE]                     # loads in order, then the own rate
+    for load in summary.values():
+        assert load["workloads"] == 1 and load["throughput_over_fcfs"]["trained"] == pytest.approx(
+            load["throughput_over_fcfs"]["lpm"])
+        assert load["best_heuristic_throughput_over_fcfs"] >= load["throughput_over_fcfs"]["fcfs"] == 1.0
+        assert 0 <= load["slo_met_fraction"]["fcfs"] <= 1
+        assert load["trained_over_reference_paired"]["clone"]["ratio_mean"] == 1.0   # the same policy
+    assert "by load" in format_table(evaluation) and "over clone" in format_table(evaluation)
 
 
 def test_validation_score_ranks_the_worst_workload_first_at_the_selection_tolerance(bench):

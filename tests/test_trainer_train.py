@@ -17,7 +17,7 @@ from feather_gym.policies import DEFAULT_MAX_WAIT_STEPS
 from trainer.config import TrainConfig
 from trainer.train import train
 
-WORKLOADS = ("prefix-groups:num_requests=48,groups=3,rate=100", "no-sharing:num_requests=48")
+WORKLOADS = ("prefix-groups:num_requests=48,groups=3,rate=100", "no-sharing:num_requests=48@load=0.9")
 
 
 @pytest.fixture(autouse=True)
@@ -54,6 +54,16 @@ def test_tiny_training_run_exports_a_valid_policy(tmp_path, capsys, monkeypatch)
     assert set(summary["beyond_demonstrator"]["paired_by_workload"]) == set(WORKLOADS)
     assert [v["iteration"] for v in summary["validation"]["history"]] == [0, 1, 2]
     assert "validation after iteration 2" in progress
+    # Validation and the comparison with the clone report per load (a workload at its own rate is "recorded").
+    assert set(summary["validation"]["history"][-1]["by_load"]) == {"0.9", "recorded"}
+    assert set(summary["beyond_clone"]["by_load"]) == {"0.9", "recorded"} and "by load" in progress
+    # How the time went: the budget's parts and the rest, adding up to the whole run.
+    spent = summary["time_spent"]
+    parts = ("ray_and_envs_s", "warm_start_record_s", "warm_start_fit_s", "validation_benchmark_s", "validation_s",
+             "ppo_s", "evaluation_s", "other_s")
+    assert all(spent[part] >= 0 for part in parts) and spent["ppo_s"] > 0 and spent["validation_s"] > 0
+    assert sum(spent[part] for part in parts) == pytest.approx(spent["total_s"], abs=0.05)
+    assert "time: " in progress and "of the budget: " in progress
     assert summary["validation"]["best_iteration"] in (0, 1, 2)
     # The first validation is the start; the kept network is significantly slower on no workload.
     slower = {v["iteration"]: v["slower_than_start"] for v in summary["validation"]["history"]}

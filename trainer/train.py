@@ -32,7 +32,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from feather_gym.policies import Policy
-from trainer.config import TrainConfig, training_env_seed
+from traces.workload import workload_labels
+from trainer.config import TrainConfig, TrainingMix, training_env_seed
 from trainer.logs import IterationRecord, RunLog
 
 RLLIB_ENV_NAME = "feather-batch-formation"
@@ -70,6 +71,21 @@ def ray_session(address: str | None) -> Iterator[None]:
         ray.shutdown()
         if temp_dir:
             shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def single_threaded_torch() -> Iterator[None]:
+    """Torch on one thread in this process while it lasts: the learner (cloning and PPO's updates)
+    runs here, on networks of a few thousand weights, where a second thread only contends with
+    the env runner for the cores (measured several times slower on the 2-core VM)."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 def env_config(config: TrainConfig) -> dict:
@@ -149,6 +165,7 @@ class BestCheckpoint:
     def __init__(self, algo, config: TrainConfig, path: Path) -> None:
         from trainer.evaluate import Benchmark
 
+        start = time.monotonic()
         self.algo, self.path, self.num_candidates = algo, path, config.num_candidates
         self.benchmark = Benchmark(workloads=config.training_workloads(), profile=config.profile,
                                    seeds=config.validation_seeds, engine=config.engine())
@@ -156,11 +173,13 @@ class BestCheckpoint:
         self.best_iteration: int | None = None
         self.start: dict | None = None   # the first validation's evaluation
         self.history: list[dict] = []
+        self.benchmark_s, self.validation_s = time.monotonic() - start, 0.0
 
     def validate(self, iteration: int) -> str:
         """Score the current network; save the checkpoint when it is the best so far. Returns a log line."""
-        from trainer.evaluate import slower_workloads, validation_score
+        from trainer.evaluate import by_load, slower_workloads, validation_score
 
+        start = time.monotonic()
         module = learner_module(self.algo)
         evaluation = self.benchmark.evaluate(NetworkPolicy(module, self.num_candidates))
         self.start = self.start or evaluation
@@ -168,18 +187,22 @@ class BestCheckpoint:
         score = validation_score(evaluation)
         worst, mean = min(result["margin"] for result in evaluation["workloads"]), score[1]
         margins = [round(result["margin"], 4) for result in evaluation["workloads"]]
+        loads = {load: {"worst_margin": summary["margin_worst"], "mean_margin": summary["margin_mean"]}
+                 for load, summary in by_load(evaluation).items()}
         self.history.append({"iteration": iteration, "worst_margin": worst, "mean_margin": mean, "margins": margins,
-                             "slower_than_start": slower})
+                             "by_load": loads, "slower_than_start": slower})
         kept = score > self.best_score and not slower
         if kept:
             self.best_score, self.best_iteration = score, iteration
             self.algo.save_to_path(str(self.path.resolve()))
         verdict = (" (best so far, checkpoint saved)" if kept else
-                   f" (slower than the start on {', '.join(spec.partition(':')[0] for spec in slower)}; "
+                   f" (slower than the start on {', '.join(workload_labels(slower))}; "
                    f"best at iteration {self.best_iteration})" if slower else
                    f" (best at iteration {self.best_iteration})")
-        return (f"validation after iteration {iteration}: margin worst {worst:.4f} mean {mean:.4f} "
-                f"[{' '.join(f'{margin:.4f}' for margin in margins)}]" + verdict)
+        self.validation_s += time.monotonic() - start
+        per_load = ", ".join(f"{load} {m['worst_margin']:.4f}/{m['mean_margin']:.4f}" for load, m in loads.items())
+        return (f"validation after iteration {iteration}: margin worst {worst:.4f} mean {mean:.4f}; by load, "
+                f"worst/mean: {per_load}" + verdict)
 
 
 def learner_module(algo):
@@ -206,40 +229,52 @@ def beyond(evaluation: dict, label: str) -> dict:
     """Per workload, the trained policy's throughput over reference ``label``'s (ratio of the
     means, and the per-run paired ratio of :func:`trainer.evaluate.paired_ratio`), and the
     workloads where the paired ratio is significantly above or below 1
-    (:func:`trainer.evaluate.paired_sign`). Over the warm-start clone: what PPO learned and lost
-    beyond noise; over the demonstrator: what the whole run (improved warm start and PPO) did."""
-    from trainer.evaluate import paired_sign
+    (:func:`trainer.evaluate.paired_sign`); per load (:func:`trainer.evaluate.load_label`), the
+    paired ratio over every run of its workloads, and its significant workloads. Over the
+    warm-start clone: what PPO learned and lost beyond noise; over the demonstrator: what the
+    whole run (improved warm start and PPO) did."""
+    from trainer.evaluate import load_label, paired_ratio, paired_sign
 
-    ratios, paired = {}, {}
+    ratios, paired, runs = {}, {}, {}
     for result in evaluation["workloads"]:
         spec = result["workload"]
         ratios[spec] = result["trained_over_reference"][label]
         paired[spec] = result["trained_over_reference_paired"][label]
-    return {"ratio_by_workload": ratios, "paired_by_workload": paired,
-            "better_on": [spec for spec, pair in paired.items() if paired_sign(pair) > 0],
-            "worse_on": [spec for spec, pair in paired.items() if paired_sign(pair) < 0]}
+        load = runs.setdefault(load_label(spec), ([], []))
+        load[0].extend(result["trained_runs"])
+        load[1].extend(result["reference_runs"][label])
+    better = [spec for spec, pair in paired.items() if paired_sign(pair) > 0]
+    worse = [spec for spec, pair in paired.items() if paired_sign(pair) < 0]
+    by_load = {load: {**paired_ratio(trained, reference),
+                      "better_on": [spec for spec in better if load_label(spec) == load],
+                      "worse_on": [spec for spec in worse if load_label(spec) == load]}
+               for load, (trained, reference) in runs.items()}
+    return {"ratio_by_workload": ratios, "paired_by_workload": paired, "better_on": better, "worse_on": worse,
+            "by_load": by_load}
 
 
 def _beyond_lines(report: dict, what: str) -> list[str]:
-    pairs = ", ".join(f"{spec.partition(':')[0]} {pair['ratio_mean']:.4f} +- {pair['ratio_sem']:.4f} "
-                      f"({pair['runs_faster']}/{pair['runs_slower']})"
-                      for spec, pair in report["paired_by_workload"].items())
-    return [f"trained over {what}, per-run paired ratio (mean +- standard error; runs faster/slower): {pairs}",
-            f"significantly better than {what} on: {', '.join(report['better_on']) or 'none'}; "
-            f"worse on: {', '.join(report['worse_on']) or 'none'}"]
+    loads = ", ".join(f"{load} {pair['ratio_mean']:.4f} +- {pair['ratio_sem']:.4f} "
+                      f"({pair['runs_faster']}/{pair['runs_slower']})" for load, pair in report["by_load"].items())
+    return [f"trained over {what} by load, per-run paired ratio (mean +- standard error; runs faster/slower): "
+            f"{loads}",
+            f"significantly better than {what} on: {', '.join(workload_labels(report['better_on'])) or 'none'}; "
+            f"worse on: {', '.join(workload_labels(report['worse_on'])) or 'none'}"]
 
 
 def train_loop(algo, config: TrainConfig, run_log: RunLog, best: BestCheckpoint, *,
-               progress: Callable[[str], None], spent_s: float = 0.0) -> float:
+               progress: Callable[[str], None], spent_s: float = 0.0) -> tuple[float, float]:
     """Call ``algo.train()`` (at least once) until the iteration count or the time budget is
     spent, ``spent_s`` of it before the loop (the warm start and the first validation),
-    validating every ``config.validate_every`` iterations and after the last; returns seconds
-    spent in the loop."""
+    validating every ``config.validate_every`` iterations and after the last; returns the
+    seconds spent in the loop up to the last iteration, and in ``algo.train()`` alone."""
     start = time.monotonic()
     budget_s = config.time_budget_s - spent_s
-    done = 0
+    done, ppo_s = 0, 0.0
     while True:
+        iteration_start = time.monotonic()
         algo_result = algo.train()
+        ppo_s += time.monotonic() - iteration_start
         done += 1
         elapsed = time.monotonic() - start
         record = run_log.record(algo_result, time_total_s=elapsed)
@@ -254,7 +289,7 @@ def train_loop(algo, config: TrainConfig, run_log: RunLog, best: BestCheckpoint,
         if finished or done % config.validate_every == 0:
             progress(best.validate(record.iteration))
         if finished:
-            return elapsed
+            return elapsed, ppo_s
 
 
 def _progress_line(record: IterationRecord, left_s: float) -> str:
@@ -266,23 +301,54 @@ def _progress_line(record: IterationRecord, left_s: float) -> str:
             f"elapsed {record.time_total_s:6.0f} s | left ~{left_s:5.0f} s")
 
 
+def time_report(config: TrainConfig, *, build_s: float, warm: dict | None, best: BestCheckpoint, ppo_s: float,
+                eval_s: float, total_s: float) -> dict:
+    """How a run's wall time was spent (seconds, and the budget's shares): Ray and the training envs
+    (``build_s``), the warm start's recording (its playouts) and cloning, the validation benchmark's
+    baselines, the validations, PPO's own iterations (``ppo_s``), the held-out evaluation, and the
+    rest (export, the learning curve). The budget covers the warm start, the benchmark, the
+    validations and PPO (:class:`~trainer.config.TrainConfig`)."""
+    spent = {"ray_and_envs_s": build_s, "warm_start_record_s": warm["record_s"] if warm else 0.0,
+             "warm_start_fit_s": warm["fit_s"] if warm else 0.0, "validation_benchmark_s": best.benchmark_s,
+             "validation_s": best.validation_s, "ppo_s": ppo_s, "evaluation_s": eval_s}
+    spent["other_s"] = total_s - sum(spent.values())
+    spent = {key: round(value, 2) for key, value in spent.items()}
+    budget = config.time_budget_s
+    return {**spent, "total_s": round(total_s, 2),
+            "budget_share": {key.removesuffix("_s"): round(spent[key] / budget, 3)
+                             for key in ("warm_start_record_s", "warm_start_fit_s", "validation_benchmark_s",
+                                         "validation_s", "ppo_s")}}
+
+
+#: How :func:`_time_line` names the budget's parts.
+_BUDGET_PARTS = {"warm_start_record": "demonstrations", "warm_start_fit": "cloning",
+                 "validation_benchmark": "validation baselines", "validation": "validations", "ppo": "PPO"}
+
+
+def _time_line(spent: dict) -> str:
+    shares = ", ".join(f"{_BUDGET_PARTS[name]} {100 * share:.0f}%" for name, share in spent["budget_share"].items())
+    return f"time: {spent['total_s']:.0f} s in all; of the budget: {shares}"
+
+
 def train(config: TrainConfig, *, progress: Callable[[str], None] = print) -> dict:
     """Run the whole job of the module docstring; returns the summary (also in summary.json)."""
     from trainer.evaluate import evaluate_policy, format_table
     from trainer.export import export_policy_module, load_policy_network, write_training_info
-    from trainer.warm_start import demonstrator, warm_start
+    from trainer.warm_start import PLAYOUT_SHARE, demonstrator, warm_start
 
     config = config.resolved()
     config.validate()
     out = Path(config.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    progress(f"feather-train: profile {config.profile}, workloads {', '.join(config.workloads)}, "
+    progress(f"feather-train: profile {config.profile}, {len(config.workloads)} workloads "
+             f"({TrainingMix(config.workloads).describe()}), "
              f"{f'{config.iterations} iterations' if config.iterations else f'budget {config.time_budget_s:.0f} s'}, "
              f"output {out}")
 
     job_start = time.monotonic()
-    with ray_session(config.ray_address), RunLog(out / "tensorboard") as run_log:
+    with ray_session(config.ray_address), single_threaded_torch(), RunLog(out / "tensorboard") as run_log:
         algo = ppo_config(config).build_algo()
+        build_s = time.monotonic() - job_start
         try:
             warm = clone_path = None
             learning_start = time.monotonic()
@@ -291,8 +357,10 @@ def train(config: TrainConfig, *, progress: Callable[[str], None] = print) -> di
                 progress(f"resumed from {config.resume}")
             elif config.warm_start != "none":
                 warm = warm_start(algo, config.warm_start, env_config(config), smoothing=config.clone_smoothing,
-                                  min_gain=config.improve_warm_start)
-                improved = (f" improved by playouts ({warm['relabelled']:,} labels changed, {warm['record_s']:.0f} s)"
+                                  min_gain=config.improve_warm_start,
+                                  playout_s=None if config.iterations else PLAYOUT_SHARE * config.time_budget_s)
+                improved = (f" improved by playouts ({warm['relabelled']:,} labels changed of "
+                            f"{warm['played_decisions']:,} played out, {warm['record_s']:.0f} s)"
                             if warm["min_gain"] is not None else "")
                 progress(f"warm start: cloned {warm['policy']}{improved} from {warm['decisions']:,} decisions "
                          f"(accuracy {warm['accuracy']:.3f}, ADD share {warm['add_fraction']:.3f})")
@@ -301,8 +369,8 @@ def train(config: TrainConfig, *, progress: Callable[[str], None] = print) -> di
             best = BestCheckpoint(algo, config, checkpoint)
             progress(best.validate(algo.iteration))   # 0, or the resumed checkpoint's iteration
             setup_s = time.monotonic() - job_start
-            train_s = train_loop(algo, config, run_log, best, progress=progress,
-                                 spent_s=time.monotonic() - learning_start)
+            train_s, ppo_s = train_loop(algo, config, run_log, best, progress=progress,
+                                        spent_s=time.monotonic() - learning_start)
         finally:
             algo.stop()
     trained_at = datetime.now(UTC)
@@ -322,19 +390,24 @@ def train(config: TrainConfig, *, progress: Callable[[str], None] = print) -> di
     evaluation = evaluate_policy(policy_path, workloads=config.evaluation_workloads(), profile=config.profile,
                                  seeds=config.eval_seeds, engine=config.engine(), references=references)
     progress(format_table(evaluation))
+    eval_s = time.monotonic() - eval_start
     clone = demonstrated = None
     if clone_path:
         clone, demonstrated = beyond(evaluation, CLONE_LABEL), beyond(evaluation, DEMONSTRATOR_LABEL)
         for line in (_beyond_lines(clone, "its warm-start clone")
                      + _beyond_lines(demonstrated, f"the demonstrator ({config.warm_start} as recorded)")):
             progress(line)
+    time_spent = time_report(config, build_s=build_s, warm=warm, best=best, ppo_s=ppo_s, eval_s=eval_s,
+                             total_s=time.monotonic() - job_start)
+    progress(_time_line(time_spent))
     summary = {
         "config": config.to_json(),
         "trained_at": trained_at.isoformat(),
         "setup_s": round(setup_s, 2),
         "train_s": round(train_s, 2),
-        "eval_s": round(time.monotonic() - eval_start, 2),
-        "total_s": round(time.monotonic() - job_start, 2),
+        "eval_s": round(eval_s, 2),
+        "total_s": round(time_spent["total_s"], 2),
+        "time_spent": time_spent,
         "iterations": len(run_log.history),
         "env_steps": run_log.history[-1].env_steps,
         "history": run_log.history_json(),

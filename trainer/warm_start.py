@@ -31,6 +31,20 @@ states are the heuristic's; the improved labels need more demonstrations and epo
 (:data:`IMPROVED`) than the heuristic's own. The episodes are independent, so they are recorded
 in one spawned process per core.
 
+Playouts are the warm start's cost: each decision plays the rest of its episode out
+``2 x DEFAULT_PLAYOUT_SAMPLES`` times. They run only on the generated workloads at their own
+arrival rate (:func:`plays_out`: the bursts of the built-in mixes, where the STOPs that pay were
+found); a workload at a load factor of its capacity (``SPEC@load=X``) or a trace file is
+demonstrated with the heuristic's own labels (:data:`PLAIN`). At a load factor requests trickle
+in, so the rest of an episode is several times the engine steps of a burst's, and a trace file's
+episode is hundreds of decisions: playing those out would spend most of ``feather-train``'s
+budget before PPO starts. A trace file is recorded once (its seed changes nothing but the window).
+A run on a time budget also stops playing out at a deadline, :data:`PLAYOUT_SHARE` of its budget
+after the warm start began: the played-out episodes go seed by seed, and the decisions after the
+deadline keep the heuristic's labels, so on a slower or busier machine fewer labels are improved
+and PPO keeps its time; a run of a fixed number of iterations plays every decision out, the same
+on any machine.
+
 The cross-entropy is label-smoothed (``TrainConfig.clone_smoothing``, 0.1 by default): a clone
 fitted to one-hot labels puts all probability on the demonstrator's action, the rule admits only
 slot 0, and PPO then never samples another slot or a STOP, so it has nothing to compare and keeps
@@ -49,34 +63,56 @@ import numpy as np
 from feather_gym.observation import STOP
 from feather_gym.policies import DEFAULT_PLAYOUT_SAMPLES, playout_futures
 
-#: Demonstrations: workload seeds recorded per workload of the mix (from ``DEMO_SEED_BASE``,
+#: Demonstrations: workload seeds recorded per generated workload (from ``DEMO_SEED_BASE``,
 #: disjoint from every other seed set) and cloning epochs. The rule's labels fit exactly at
-#: (4, 30); playout-improved ones underfit there, hence :data:`IMPROVED`.
+#: (4, 30); playout-improved ones underfit there, hence :data:`IMPROVED`'s epochs for the whole
+#: set when any label is improved.
 DEMO_SEED_BASE = 50_000
 PLAIN = (4, 30)
-IMPROVED = (16, 300)
+IMPROVED = (8, 300)
+#: Share of a time budget after which the warm start plays nothing more out (see above).
+PLAYOUT_SHARE = 0.2
 
 
 def demonstration_seeds(improve: bool) -> range:
     """The workload seeds the warm start records (``improve``: playout-improved labels)."""
-    seeds, _ = IMPROVED if improve else PLAIN
+    seeds = max(IMPROVED[0], PLAIN[0]) if improve else PLAIN[0]
     return range(DEMO_SEED_BASE, DEMO_SEED_BASE + seeds)
+
+
+def plays_out(workload: str) -> bool:
+    """Whether the improved warm start plays ``workload``'s decisions out: a generator at its own
+    arrival rate (neither a trace file nor at a load factor; see the module docstring)."""
+    from feather_gym.load import split_load
+    from traces.workload import is_generated
+
+    return is_generated(workload) and split_load(workload)[1] is None
 
 
 @dataclass(frozen=True)
 class Demonstrations:
     """``obs [N, F]`` float32, ``actions [N]`` int64 (the labels), ``returns [N]`` float32 (the
-    demonstrator's return-to-go), ``relabelled``: labels that are not the demonstrator's action."""
+    demonstrator's return-to-go), ``relabelled``: labels that are not the demonstrator's action,
+    ``played``: decisions labelled by playouts."""
 
     obs: np.ndarray
     actions: np.ndarray
     returns: np.ndarray
     relabelled: int = 0
+    played: int = 0
 
     @property
     def add_fraction(self) -> float:
         """Share of the decisions that admit a candidate (any slot)."""
         return float((self.actions != 0).mean()) if len(self.actions) else 0.0
+
+    @classmethod
+    def concatenate(cls, parts) -> Demonstrations:
+        """The demonstrations of ``parts`` one after another."""
+        parts = list(parts)
+        return cls(np.concatenate([part.obs for part in parts]), np.concatenate([part.actions for part in parts]),
+                   np.concatenate([part.returns for part in parts]), sum(part.relabelled for part in parts),
+                   sum(part.played for part in parts))
 
 
 def demonstrator(policy_name: str):
@@ -116,10 +152,11 @@ def improved_action(env, policy, action: int, min_gain: float, *,
 
 
 def record_episode(policy_name: str, env_config: dict, workload: str, seed: int,
-                   min_gain: float | None = None) -> Demonstrations:
+                   min_gain: float | None = None, playout_until: float | None = None) -> Demonstrations:
     """One episode of :func:`demonstrator` of ``policy_name`` on ``workload`` at workload seed
     ``seed`` in the env of ``env_config``; with ``min_gain``, each decision labelled with
-    :func:`improved_action` instead of the demonstrator's action. Deterministic."""
+    :func:`improved_action` instead of the demonstrator's action, until ``time.time()`` reaches
+    ``playout_until`` (None: to the end). Deterministic without a ``playout_until``."""
     import gymnasium as gym
 
     from feather_gym.envs import ENV_ID
@@ -129,11 +166,14 @@ def record_episode(policy_name: str, env_config: dict, workload: str, seed: int,
     obs, _ = env.reset()
     policy.reset()
     obs_rows, labels, rewards = [], [], []
-    relabelled, done = 0, False
+    relabelled = played = 0
+    done = False
     while not done:
         action = policy.decide(env.unwrapped.admission_point)
-        label = action if min_gain is None else improved_action(env.unwrapped, policy, action, min_gain)
+        play = min_gain is not None and action != STOP and (playout_until is None or time.time() < playout_until)
+        label = improved_action(env.unwrapped, policy, action, min_gain) if play else action
         relabelled += label != action
+        played += play
         obs_rows.append(obs)
         labels.append(label)
         obs, reward, terminated, truncated, _ = env.step(action)
@@ -141,17 +181,20 @@ def record_episode(policy_name: str, env_config: dict, workload: str, seed: int,
         done = terminated or truncated
     env.close()
     return Demonstrations(np.asarray(obs_rows, dtype=np.float32), np.asarray(labels, dtype=np.int64),
-                          np.cumsum(rewards[::-1])[::-1].astype(np.float32), relabelled)
+                          np.cumsum(rewards[::-1])[::-1].astype(np.float32), relabelled, played)
 
 
-def record_demonstrations(policy_name: str, env_config: dict, *, seeds: range,
-                          min_gain: float | None = None, workers: int = 1) -> Demonstrations:
+def record_demonstrations(policy_name: str, env_config: dict, *, seeds: range, min_gain: float | None = None,
+                          workers: int = 1, playout_until: float | None = None) -> Demonstrations:
     """:func:`record_episode` for every workload of ``env_config`` at each workload seed of
-    ``seeds``, concatenated in that order (workload-major). ``workers > 1`` records the episodes
-    in that many spawned processes (playouts are the costly part of an improved warm start);
-    the result is the same for any ``workers``."""
-    tasks = [(policy_name, env_config, workload, seed, min_gain)
-             for workload in env_config["workloads"] for seed in seeds]
+    ``seeds`` (a trace file at the first only), concatenated in that order (seed-major, so a
+    ``playout_until`` cuts the last seeds). ``workers > 1`` records the episodes in that many
+    spawned processes (playouts are the costly part of an improved warm start); without a
+    ``playout_until`` the result is the same for any ``workers``."""
+    from traces.workload import is_generated
+
+    tasks = [(policy_name, env_config, workload, seed, min_gain, playout_until) for seed in seeds
+             for workload in env_config["workloads"] if is_generated(workload) or seed == seeds[0]]
     if workers > 1:
         import multiprocessing
         from concurrent.futures import ProcessPoolExecutor
@@ -161,10 +204,7 @@ def record_demonstrations(policy_name: str, env_config: dict, *, seeds: range,
             episodes = list(pool.map(record_episode, *zip(*tasks)))
     else:
         episodes = [record_episode(*task) for task in tasks]
-    return Demonstrations(np.concatenate([episode.obs for episode in episodes]),
-                          np.concatenate([episode.actions for episode in episodes]),
-                          np.concatenate([episode.returns for episode in episodes]),
-                          sum(episode.relabelled for episode in episodes))
+    return Demonstrations.concatenate(episodes)
 
 
 def clone_into(module, demos: Demonstrations, *, epochs: int = 30, batch_size: int = 512, lr: float = 3e-3,
@@ -198,24 +238,32 @@ def clone_into(module, demos: Demonstrations, *, epochs: int = 30, batch_size: i
 
 
 def warm_start(algo, policy_name: str, env_config: dict, *, smoothing: float = 0.0,
-               min_gain: float | None = None) -> dict:
-    """Record ``policy_name`` in the env (with ``min_gain``, its playout-improved labels), clone it
-    into every learner's module, and push the weights to the env runners. Returns a report for the run summary."""
+               min_gain: float | None = None, playout_s: float | None = None) -> dict:
+    """Record ``policy_name`` in the env (with ``min_gain``, its playout-improved labels, played out
+    for at most ``playout_s`` seconds, None: all), clone it into every learner's module, and push
+    the weights to the env runners. Returns a report for the run summary."""
     from ray.rllib.core import DEFAULT_MODULE_ID
 
     start = time.monotonic()
-    improve = min_gain is not None
-    # Playouts on every core (the env runners idle until PPO starts); plain recording is cheaper in-process.
-    workers = len(os.sched_getaffinity(0)) if improve else 1
-    demos = record_demonstrations(policy_name, env_config, seeds=demonstration_seeds(improve), min_gain=min_gain,
-                                  workers=workers)
+    played = [workload for workload in env_config["workloads"] if min_gain is not None and plays_out(workload)]
+    plain = [workload for workload in env_config["workloads"] if workload not in played]
+    # Every core records (the env runners idle until PPO starts).
+    workers = len(os.sched_getaffinity(0))
+    until = None if playout_s is None else time.time() + playout_s
+    parts = [record_demonstrations(policy_name, {**env_config, "workloads": workloads}, seeds=seeds,
+                                   min_gain=gain, workers=workers, playout_until=until)
+             for workloads, seeds, gain in ((played, range(DEMO_SEED_BASE, DEMO_SEED_BASE + IMPROVED[0]), min_gain),
+                                            (plain, range(DEMO_SEED_BASE, DEMO_SEED_BASE + PLAIN[0]), None))
+             if workloads]
+    demos = Demonstrations.concatenate(parts)
     record_s = time.monotonic() - start
-    _, epochs = IMPROVED if improve else PLAIN
+    _, epochs = IMPROVED if played else PLAIN
     calls = algo.learner_group.foreach_learner(lambda learner: clone_into(learner.module[DEFAULT_MODULE_ID], demos,
                                                                               epochs=epochs, smoothing=smoothing))
     fit = next(iter(calls)).get()     # RemoteCallResults; raises the learner's error, if any
     algo.env_runner_group.sync_weights(from_worker_or_learner_group=algo.learner_group, inference_only=True)
-    return {"policy": policy_name, "min_gain": min_gain,
+    return {"policy": policy_name, "min_gain": min_gain, "played_out": played,
             "decisions": len(demos.actions),
-            "relabelled": demos.relabelled, "record_s": record_s, "record_workers": workers,
-            "add_fraction": demos.add_fraction, **fit}
+            "relabelled": demos.relabelled, "played_decisions": demos.played, "playout_s": playout_s,
+            "record_s": record_s, "record_workers": workers,
+            "fit_s": time.monotonic() - start - record_s, "add_fraction": demos.add_fraction, **fit}

@@ -11,10 +11,11 @@ import numpy as np
 
 import traces
 from feather_gym.costmodel import hardware_profile, load_cost_model
+from feather_gym.load import LoadedWorkloads
 from feather_gym.observation import DEFAULT_NUM_CANDIDATES, OBS_CLIP, check_num_candidates, observation_size
 from feather_gym.orderings import CHTOrder
 from feather_gym.policies import make_policy
-from feather_gym.simulator import EngineConfig, Simulator, simulate, trace_digests
+from feather_gym.simulator import EngineConfig, Simulator, simulate
 from traces.workload import is_generated
 
 #: Windows start on a grid of ``window_requests // WINDOW_STARTS_PER_WINDOW`` requests, so a
@@ -64,11 +65,11 @@ class WorkloadSet:
 @functools.lru_cache(maxsize=4)
 def workload_set(specs: tuple[str, ...], seed: int, instances: int, engine: EngineConfig, profile: str) -> WorkloadSet:
     """The shared :class:`WorkloadSet` of a configuration. ``profile`` is part of the key because
-    the windows' baseline runs depend on it (a profile file is assumed not to change while the
-    process runs)."""
-    built = [traces.resolve_workload(spec, seed=seed + i)
-             for spec in specs for i in range(instances_of(spec, instances))]
-    return WorkloadSet(built, [trace_digests(trace, engine.block_size) for trace in built])
+    the windows' baseline runs, and a ``SPEC@load=X``'s capacity, depend on it (a profile file is
+    assumed not to change while the process runs). The loads of one trace share its capacity."""
+    loaded = LoadedWorkloads(load_cost_model(profile), engine)
+    built = [loaded.get(spec, seed + i) for spec in specs for i in range(instances_of(spec, instances))]
+    return WorkloadSet([trace for trace, _ in built], [digests for _, digests in built])
 
 
 class BatchFormationEnv(gym.Env):
@@ -136,7 +137,8 @@ class BatchFormationEnv(gym.Env):
 
     ## Starting State
     A window of ``window_requests`` consecutive requests of one of the traces (``workload_instances``
-    seeded traces of each generator spec of ``workloads``, one of each trace file; chosen, with
+    seeded traces of each generator spec of ``workloads``, one of each trace file; a spec ending in
+    ``@load=X`` is that trace at ``X`` times its FCFS capacity, :mod:`feather_gym.load`; chosen, with
     its start on a grid of ``window_requests // 4`` requests, by the seeded ``np_random``;
     windows and their reward baselines are cached), arrival times shifted to start at 0, an empty KV
     cache; the first observation is the first admission point with a non-empty batch. Windows
