@@ -48,6 +48,7 @@ require_supported_vllm()  # before touching vLLM internals
 
 from vllm import _custom_ops as ops  # noqa: E402
 from vllm import envs  # noqa: E402
+from vllm.model_executor.model_loader.utils import _MODEL_ARCH_BY_HASH  # noqa: E402
 from vllm.model_executor.models.qwen3_next import Qwen3NextForCausalLM  # noqa: E402
 from vllm.model_executor.models.registry import ModelRegistry  # noqa: E402
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionMetadata  # noqa: E402
@@ -172,5 +173,10 @@ def require_moe_layers_by_name(compilation_config) -> None:
 
 def register_replay_model() -> None:
     """Have vLLM build :class:`ReplayQwen3Next` for the ``Qwen3NextForCausalLM`` architecture, for
-    every engine started afterwards in this process (idempotent)."""
+    every engine started afterwards in this process (idempotent). vLLM caches each model path's
+    resolved class (``_MODEL_ARCH_BY_HASH``), so the entries of engines started before on vLLM's own
+    class are dropped: the next engine on that path resolves again and builds the replay model."""
     ModelRegistry.register_model(ARCHITECTURE, ReplayQwen3Next)
+    for key, (model_cls, _) in list(_MODEL_ARCH_BY_HASH.items()):
+        if model_cls is Qwen3NextForCausalLM:
+            del _MODEL_ARCH_BY_HASH[key]

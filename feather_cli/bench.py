@@ -87,6 +87,11 @@ def register(tree) -> None:
                           help="cost-model profile (default: this machine's); the mix and KV capacity are "
                                "feather-train's for it")
     headroom.add_argument("--seeds", type=positive_int, default=30, help="held-out seeds per workload (default 30)")
+    headroom.add_argument("--workload", dest="workloads", action="append", metavar="SPEC",
+                          help="a workload to measure instead of the mix (repeat for several)")
+    headroom.add_argument("--kv-capacity-tokens", type=positive_int, default=None,
+                          help="KV capacity of the simulated engine (default: the mix's; with --workload, the "
+                               "profile's)")
     add_flag(headroom, "--policies", old="--policy", metavar="POLICY",
              help="a trained policy (*.onnx) or a baseline name, paired against the rule as well")
     add_json(headroom)
@@ -415,7 +420,9 @@ def bench_headroom_command(args) -> int:
     from trainer.headroom import format_headroom, headroom
 
     policy = one_policy(args.policies)
-    config = TrainConfig(profile=args.profile).resolved()
+    config = TrainConfig(profile=args.profile,
+                         workloads=tuple(args.workloads) if args.workloads else None,
+                         kv_capacity_tokens=args.kv_capacity_tokens).resolved()
     start = time.perf_counter()
     report = headroom(config, seeds=args.seeds, policy_path=policy)
     report["elapsed_s"] = time.perf_counter() - start

@@ -263,3 +263,22 @@ def test_expected_pages_are_branch_points_past_branch_points_and_the_prompts_las
     # the first: its last page only; the second branches at page 3; the third at page 2, and page 3
     # is where its family's earlier hit ended
     assert expected == [[4 * BLOCK], [3 * BLOCK, 4 * BLOCK], [2 * BLOCK, 3 * BLOCK, 4 * BLOCK]]
+
+
+def test_registering_the_replay_model_drops_vllms_cached_resolution(monkeypatch):
+    """vLLM caches each model path's resolved class; an engine started on vLLM's own Qwen3-Next
+    before the registration must not make the next engine on that path skip the replay model."""
+    from vllm.model_executor.model_loader.utils import _MODEL_ARCH_BY_HASH
+    from vllm.model_executor.models.llama import LlamaForCausalLM
+    from vllm.model_executor.models.qwen3_next import Qwen3NextForCausalLM
+    from vllm.model_executor.models.registry import ModelRegistry
+
+    from deploy.replay_span import ARCHITECTURE, register_replay_model
+
+    monkeypatch.setitem(ModelRegistry.models, ARCHITECTURE, ModelRegistry.models[ARCHITECTURE])
+    monkeypatch.setitem(_MODEL_ARCH_BY_HASH, "qwen3-next path", (Qwen3NextForCausalLM, ARCHITECTURE))
+    monkeypatch.setitem(_MODEL_ARCH_BY_HASH, "llama path", (LlamaForCausalLM, "LlamaForCausalLM"))
+    register_replay_model()
+    assert "qwen3-next path" not in _MODEL_ARCH_BY_HASH
+    assert _MODEL_ARCH_BY_HASH["llama path"] == (LlamaForCausalLM, "LlamaForCausalLM")
+    assert ModelRegistry._try_load_model_cls(ARCHITECTURE).__name__ == "ReplayQwen3Next"
