@@ -266,21 +266,26 @@ def continuation_logits(model, exact_cache, p: int, gdn_states: dict[int, GDNSta
 
 
 @torch.no_grad()
-def memory_lengths(model, gdn_inputs: dict[int, torch.Tensor], eps: float = 1e-3) -> dict[int, float]:
-    """Per GDN layer: tokens until the slowest head's gate decays a state by ``eps``.
+def head_memory_lengths(model, gdn_inputs: dict[int, torch.Tensor], eps: float = 1e-3) -> dict[int, list[float]]:
+    """Per GDN layer and value head: tokens until the gate decays a state's contribution by ``eps``.
 
     Uses the module's own projections and gate parameters on the captured inputs: the per-token
     log decay is ``g = -exp(A_log) * softplus(a + dt_bias)``; a head's memory is
     ``ln(eps) / mean_t g`` tokens (geometric-mean decay; the delta rule's erasure shortens memory
-    further, so this is an upper-bound-style weight). The layer's value is its slowest head's.
+    further, so this is an upper-bound-style measure).
     """
     lengths = {}
     for layer, module in gdn_modules(model).items():
         x = gdn_inputs[layer][None].to(module.in_proj_ba.weight.dtype)
         *_, a = module.fix_query_key_value_ordering(module.in_proj_qkvz(x), module.in_proj_ba(x))
         g = -module.A_log.float().exp() * torch.nn.functional.softplus(a.float() + module.dt_bias)
-        lengths[layer] = float((math.log(eps) / g[0].mean(0).clamp(max=-1e-9)).max())
+        lengths[layer] = (math.log(eps) / g[0].mean(0).clamp(max=-1e-9)).tolist()
     return lengths
+
+
+def memory_lengths(model, gdn_inputs: dict[int, torch.Tensor], eps: float = 1e-3) -> dict[int, float]:
+    """Per GDN layer: its slowest head's :func:`head_memory_lengths`."""
+    return {layer: max(heads) for layer, heads in head_memory_lengths(model, gdn_inputs, eps).items()}
 
 
 def allocate_replay_tokens(budget: int, weights: dict[int, float], *, minimum: int = 1,
