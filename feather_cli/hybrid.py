@@ -1,6 +1,6 @@
 """``feather hybrid build`` and ``feather hybrid check``.
 
-* ``feather hybrid build [--model trained|forgetful|tiny] [--force] [--json]``: train the hybrid
+* ``feather hybrid build [--model trained|remember|tiny] [--force] [--json]``: train the hybrid
   model when its folder is absent (or ``--force``), then print its training report (held-out
   perplexity, steps, tokens, minutes, needle accuracy by task and length, the gates' memory per
   layer and head) and its cache layout (KV bytes per token, state bytes).
@@ -16,7 +16,7 @@ import shutil
 from feather_cli.options import add_json, non_negative_int, positive_int
 
 #: The built-in hybrid models (feather_gym.hybrid.model.SPECS; not imported here to keep the CLI light).
-KINDS = ("trained", "forgetful", "tiny")
+KINDS = ("trained", "remember", "tiny")
 
 
 def register(tree) -> None:

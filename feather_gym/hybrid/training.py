@@ -1,6 +1,6 @@
 """How a hybrid model is trained: settings, the batches of a length curriculum, the loss, the gates' start.
 
-* :class:`TrainSettings`: AdamW within a step and wall-clock budget, and a curriculum of
+* :class:`TrainSettings`: AdamW within a step and CPU-time budget, and a curriculum of
   :class:`Stage` (sequence length and task mix by training progress).
 * :func:`training_batch`: the batch of the stage at the current progress; each sample is text with a task of the mix
   buried in it (:func:`feather_gym.hybrid.long_tasks.training_sample`).
@@ -38,8 +38,11 @@ class TrainSettings:
     """How a hybrid model is trained (see the module docstring).
 
     The learning rate warms up over ``warmup_steps`` and then follows a cosine over training
-    progress, the larger of the step fraction and the time fraction, so a run cut short by
-    ``max_minutes`` still ends at a low rate; the curriculum stage follows the same progress.
+    progress, the larger of the step fraction and the fraction of ``max_cpu_minutes`` spent, so
+    a run cut short by the budget still ends at a low rate; the curriculum stage follows the same
+    progress. The budget counts the training process's CPU time (all its threads), not wall
+    time, so what a run learns does not depend on other work sharing the machine; with one
+    thread on an idle machine the two agree.
     ``gate_dt_range`` is the (low, high) range of the gates' initial time step, log-uniform per
     head (``None`` keeps transformers' initialization). ``recall_lengths`` and
     ``recall_samples`` size the recall measurement of the report (none when empty).
@@ -52,7 +55,7 @@ class TrainSettings:
     lr: float = 3e-3
     warmup_steps: int = 20
     max_steps: int = 400
-    max_minutes: float = 20.0
+    max_cpu_minutes: float = 40.0
     heldout_window: int = 256
     heldout_fraction: float = 0.05
     heldout_windows: int = 64
