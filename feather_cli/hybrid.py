@@ -1,8 +1,9 @@
 """``feather hybrid build`` and ``feather hybrid check``.
 
-* ``feather hybrid build [--model trained|tiny] [--force] [--json]``: train the hybrid model
-  when its folder is absent (or ``--force``), then print its training report (held-out
-  perplexity, steps, tokens, minutes) and its cache layout (KV bytes per token, state bytes).
+* ``feather hybrid build [--model trained|remember|tiny] [--force] [--json]``: train the hybrid
+  model when its folder is absent (or ``--force``), then print its training report (held-out
+  perplexity, steps, tokens, minutes, needle accuracy by task and length, the gates' memory per
+  layer and head) and its cache layout (KV bytes per token, state bytes).
 * ``feather hybrid check [--model ...] [--prompts N] [--max-new-tokens T] [--json]``: greedy
   agreement of vLLM and transformers in bfloat16 on held-out prompts.
 """
@@ -14,17 +15,20 @@ import shutil
 
 from feather_cli.options import add_json, non_negative_int, positive_int
 
+#: The built-in hybrid models (feather_gym.hybrid.model.SPECS; not imported here to keep the CLI light).
+KINDS = ("trained", "remember", "tiny")
+
 
 def register(tree) -> None:
     """Add ``feather hybrid build|check``."""
     hybrid = tree.group("hybrid")
     build = hybrid.add_parser("build", help="train the hybrid model if absent; print its report")
-    build.add_argument("--model", choices=("trained", "tiny"), default="trained")
+    build.add_argument("--model", choices=KINDS, default="trained")
     build.add_argument("--force", action="store_true", help="train again even if the folder exists")
     add_json(build)
     build.set_defaults(func=build_command)
     check = hybrid.add_parser("check", help="greedy agreement of vLLM and transformers (bfloat16)")
-    check.add_argument("--model", choices=("trained", "tiny"), default="trained")
+    check.add_argument("--model", choices=KINDS, default="trained")
     check.add_argument("--prompts", type=positive_int, default=16, help="held-out prompts (default 16)")
     check.add_argument("--max-new-tokens", type=positive_int, default=16, help="greedy tokens per prompt (default 16)")
     check.add_argument("--seed", type=non_negative_int, default=0)
@@ -44,6 +48,12 @@ def build_command(args) -> int:
     print(f"{report['model']} at {path}: {report['steps']} steps, {report['train_tokens']} tokens, "
           f"{report['train_minutes']:.1f} min; held-out perplexity {report['heldout_perplexity']:.1f} "
           f"on {report['heldout_tokens']} tokens of {report['corpus']}")
+    for task, by_length in report.get("recall_accuracy", {}).items():
+        print(f"  {task} accuracy by length: " + ", ".join(f"{n}: {a:.2f}" for n, a in by_length.items()))
+    threshold = report.get("gate_memory_threshold")
+    for layer, heads in report.get("gate_memory_tokens_by_layer_head", {}).items():
+        print(f"  GDN layer {layer}: tokens until a contribution decays below {threshold:g}, by head: "
+              + " ".join(f"{h:.0f}" for h in heads))
     layout = report["layout"]
     print(f"cache layout: {layout['attention_layers']} attention + {layout['linear_layers']} GDN layers, "
           f"{layout['kv_bytes_per_token']} B of KV per token, {layout['state_bytes']} B per recurrent checkpoint")

@@ -127,7 +127,7 @@ def test_a_missing_model_folder_is_refused_naming_the_flag_without_a_download(tm
     code, _, err = run(feather, ["sim", "compare", "--workload", "prefix-groups", "--model", str(missing)], capsys)
     line = error_line(err)
     assert code == 2 and line.startswith(f"feather: error: --model {missing}: not a model folder")
-    assert "trained, hybrid, tiny" in line and "huggingface" not in err
+    assert "trained, hybrid, remember, tiny" in line and "huggingface" not in err
 
 
 def test_trace_kinds_lists_every_parameter_with_its_default_and_range(capsys):

@@ -6,7 +6,6 @@ import pytest
 
 from feather_cli.main import main
 
-
 PREFIX_SHARING = ("prefix-groups:num_requests=32,groups=4,prefix_tokens=384,suffix_tokens_min=16,"
                   "suffix_tokens_max=96,output_tokens_min=16,output_tokens_max=48,rate=1000")
 NO_SHARING = "no-sharing:num_requests=32,input_tokens_max=512,output_tokens_max=48,rate=1000"

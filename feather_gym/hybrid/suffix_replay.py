@@ -272,23 +272,34 @@ def gdn_log_decay(a: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor) -
     return -a_log.float().exp() * torch.nn.functional.softplus(a.float() + dt_bias.float())
 
 
+def head_memory_tokens(log_decay: torch.Tensor, eps: float = 1e-3) -> torch.Tensor:
+    """Per head, tokens until its gate decays a state by ``eps``, from the log decay ``[tokens,
+    heads]``: ``ln(eps) / mean_t g`` (geometric-mean decay; the delta rule's erasure shortens memory
+    further, so this is an upper-bound-style weight)."""
+    return math.log(eps) / log_decay.float().mean(0).clamp(max=-1e-9)
+
+
 def gate_memory_tokens(log_decay: torch.Tensor, eps: float = 1e-3) -> float:
-    """Tokens until the slowest head's gate decays a state by ``eps``, from the log decay
-    ``[tokens, heads]``: a head's memory is ``ln(eps) / mean_t g`` (geometric-mean decay; the
-    delta rule's erasure shortens memory further, so this is an upper-bound-style weight)."""
-    return float((math.log(eps) / log_decay.float().mean(0).clamp(max=-1e-9)).max())
+    """The slowest head's :func:`head_memory_tokens`."""
+    return float(head_memory_tokens(log_decay, eps).max())
 
 
 @torch.no_grad()
-def memory_lengths(model, gdn_inputs: dict[int, torch.Tensor], eps: float = 1e-3) -> dict[int, float]:
-    """Per GDN layer: :func:`gate_memory_tokens` of its gate over the captured inputs, computed
-    with the module's own projections and gate parameters (:func:`gdn_log_decay`)."""
+def head_memory_lengths(model, gdn_inputs: dict[int, torch.Tensor], eps: float = 1e-3) -> dict[int, list[float]]:
+    """Per GDN layer and value head: tokens until the gate decays a state's contribution by ``eps``
+    (:func:`head_memory_tokens`), over the captured inputs, with
+    the module's own projections and gate parameters (:func:`gdn_log_decay`)."""
     lengths = {}
     for layer, module in gdn_modules(model).items():
         x = gdn_inputs[layer][None].to(module.in_proj_ba.weight.dtype)
         *_, a = module.fix_query_key_value_ordering(module.in_proj_qkvz(x), module.in_proj_ba(x))
-        lengths[layer] = gate_memory_tokens(gdn_log_decay(a[0], module.A_log, module.dt_bias), eps)
+        lengths[layer] = head_memory_tokens(gdn_log_decay(a[0], module.A_log, module.dt_bias), eps).tolist()
     return lengths
+
+
+def memory_lengths(model, gdn_inputs: dict[int, torch.Tensor], eps: float = 1e-3) -> dict[int, float]:
+    """Per GDN layer: its slowest head's :func:`head_memory_lengths`."""
+    return {layer: max(heads) for layer, heads in head_memory_lengths(model, gdn_inputs, eps).items()}
 
 
 def allocate_replay_tokens(budget: int, weights: dict[int, float], *, minimum: int = 1,
