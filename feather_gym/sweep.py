@@ -12,6 +12,7 @@ serving an 8B model and a 2-core CPU serving a 135M model do not answer in the s
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 
@@ -95,13 +96,19 @@ def load_sweep(trace, cost_model, policy_names: list[str], loads: list[float], *
     return {"requests": len(trace), "profile": cost_model.name, **capacity.as_dict(), **slo.as_dict(), "rows": rows}
 
 
+def policy_label(name: str) -> str:
+    """A policy's short name in tables and legends: a baseline's name, a policy file's name (at
+    most 24 characters, its end kept)."""
+    return os.path.basename(name)[-24:]
+
+
 def format_sweep(report: dict) -> str:
     """The sweep as a table of at most 120 columns, one line per load and policy."""
     header = (f"{'load':>5} {'policy':<24} {'req/s':>8} {'tok/s':>10} {'ttft p50':>9} {'ttft p99':>9} "
               f"{'tpot p99':>9} {'queue p99':>9} {'forced':>7} {'goodput':>8} {'met':>6}")
     lines = [header]
     for row in report["rows"]:
-        lines.append(f"{row['load']:>5.2f} {row['policy'][-24:]:<24} {row['arrival_rate_req_s']:>8.3g} "
+        lines.append(f"{row['load']:>5.2f} {policy_label(row['policy']):<24} {row['arrival_rate_req_s']:>8.3g} "
                      f"{row['throughput_tok_s']:>10.4g} {row['ttft_p50_s']:>8.3g}s {row['ttft_p99_s']:>8.3g}s "
                      f"{row['tpot_p99_ms']:>7.3g}ms {row['queue_delay_p99_s']:>8.3g}s "
                      f"{row['forced_wait_admissions']:>7d} {row['goodput_req_s']:>8.3g} "
@@ -120,8 +127,8 @@ def plot_sweep(report: dict, path: str, *, title: str) -> None:
     for name in dict.fromkeys(row["policy"] for row in report["rows"]):
         rows = [row for row in report["rows"] if row["policy"] == name]
         loads = [row["load"] for row in rows]
-        latency.plot(loads, [row["ttft_p99_s"] for row in rows], marker="o", label=name)
-        goodput.plot(loads, [row["goodput_req_s"] for row in rows], marker="o", label=name)
+        latency.plot(loads, [row["ttft_p99_s"] for row in rows], marker="o", label=policy_label(name))
+        goodput.plot(loads, [row["goodput_req_s"] for row in rows], marker="o", label=policy_label(name))
     latency.set(xlabel="load (x FCFS capacity)", ylabel="TTFT p99 (s)", yscale="log", title="latency")
     goodput.set(xlabel="load (x FCFS capacity)", ylabel="goodput (requests/s meeting the SLO)",
                 title=f"goodput, SLO TTFT {report['slo_ttft_s']:g} s, TPOT {1e3 * report['slo_tpot_s']:g} ms")
