@@ -11,6 +11,7 @@ import torch
 
 from cache_core.hybrid.anchor_store import AnchorStore
 from feather_gym.hybrid import suffix_replay as sr
+from feather_gym.hybrid.model import load_model
 from traces.chunk_hash import chained_chunk_hashes
 
 PAGE = 64
@@ -19,7 +20,7 @@ PAGE = 64
 @pytest.fixture(scope="module")
 def model():
     torch.set_num_threads(1)
-    return sr.load_model("tiny")          # builds it first (~20 s) on a clean machine
+    return load_model("tiny")          # builds it first (~20 s) on a clean machine
 
 
 @pytest.fixture(scope="module")

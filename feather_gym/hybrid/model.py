@@ -258,6 +258,22 @@ def resolve_model(model: str, flag: str = "--model") -> tuple[str | None, Path]:
     return None, folder
 
 
+def load_model(kind_or_dir: str = "trained", dtype=None):
+    """The hybrid model (a built-in kind via :func:`ensure_hybrid_hf`, or a folder) as transformers
+    builds it, in eval mode (``dtype`` default float32), with SDPA attention (layer-wise replay relies
+    on SDPA's causal default for a ``None`` mask); ``ValueError`` unless it has linear-attention layers."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    kind, folder = resolve_model(kind_or_dir)
+    if kind is not None:
+        folder = ensure_hybrid_hf(kind)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype or torch.float32, attn_implementation="sdpa")
+    if "linear_attention" not in (getattr(model.config, "layer_types", None) or []):
+        raise ValueError(f"{folder} is not a hybrid model (no linear_attention layers)")
+    return model.eval()
+
+
 def ensure_hybrid_hf(kind: str = "trained", cache_dir: str | os.PathLike | None = None, *, log=print) -> Path:
     """The folder of the ``kind`` hybrid model, training it first when absent (idempotent)."""
     target = hybrid_dir(kind, cache_dir)

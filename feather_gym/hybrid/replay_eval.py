@@ -60,7 +60,7 @@ def evaluate(model_kind: str, *, page: int, prefixes: list[int], replay_tokens: 
     from cache_core.hybrid.anchor_store import DTYPES
     from cache_core.hybrid.layout import HybridCacheLayout
     from feather_gym.hybrid import suffix_replay as sr
-    from feather_gym.hybrid.model import heldout_start
+    from feather_gym.hybrid.model import heldout_start, load_model
     from traces.text import corpus_token_ids
 
     if anchor_dtype not in DTYPES:
@@ -68,7 +68,7 @@ def evaluate(model_kind: str, *, page: int, prefixes: list[int], replay_tokens: 
     if threads:
         torch.set_num_threads(threads)
     started = time.perf_counter()
-    model = sr.load_model(model_kind)
+    model = load_model(model_kind)
     tokenizer = AutoTokenizer.from_pretrained(model.name_or_path)
     ids = corpus_token_ids(tokenizer)
     tail = ids[heldout_start(ids.size):]

@@ -60,22 +60,6 @@ class GDNState(NamedTuple):
     recurrent: torch.Tensor
 
 
-def load_model(kind_or_dir: str = "trained", dtype: torch.dtype = torch.float32):
-    """The hybrid model (``"trained"``/``"tiny"`` via :func:`ensure_hybrid_hf`, or a folder) in eval
-    mode with SDPA attention (layer-wise replay relies on SDPA's causal default for a ``None`` mask)."""
-    from transformers import AutoModelForCausalLM
-
-    from feather_gym.hybrid.model import ensure_hybrid_hf, resolve_model
-
-    kind, folder = resolve_model(kind_or_dir)
-    if kind is not None:
-        folder = ensure_hybrid_hf(kind)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation="sdpa").eval()
-    if "linear_attention" not in (getattr(model.config, "layer_types", None) or []):
-        raise ValueError(f"{folder} is not a hybrid model (no linear_attention layers)")
-    return model
-
-
 def gdn_modules(model) -> dict[int, torch.nn.Module]:
     """Decoder-layer index -> that layer's GDN module (``Qwen3NextGatedDeltaNet``), ascending."""
     return {i: layer.linear_attn for i, layer in enumerate(model.model.layers) if hasattr(layer, "linear_attn")}
