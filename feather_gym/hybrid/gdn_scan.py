@@ -10,7 +10,7 @@ the backward's cost grows with the square of the number of chunks (64 chunks at 
 order, float32 throughout) with the loop over ``unbind`` views and the outputs joined by one
 ``stack``, so each backward step touches one chunk. :func:`faster_gdn_backward` swaps it in
 for the duration of a ``with`` block (training); the saved model and every other user of
-transformers run transformers' own function. Invariant (``tests/test_gdn_scan.py``): outputs,
+transformers run transformers' own function. Invariant (``tests/test_long_tasks.py``): outputs,
 final states and gradients equal transformers' to float32 rounding.
 """
 
