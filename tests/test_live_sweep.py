@@ -79,6 +79,36 @@ def test_a_load_that_is_not_a_positive_number_is_refused_naming_the_flag(loads, 
     assert "argument --loads: expected comma-separated positive numbers" in capsys.readouterr().err
 
 
+def test_the_clock_records_busy_step_cycles_and_not_an_idle_wait_before_the_next_arrival():
+    """Model-free: two requests served one after the other with an idle pause between; every
+    cycle but the last of each busy period is recorded, and none spans the pause."""
+    pytest.importorskip("vllm")
+    import time
+
+    from deploy.bench.clock import StepTimedScheduler
+    from deploy.model_free import ModelFreeEngine, model_free_scheduler, vllm_requests
+    from traces import resolve_workload
+
+    steps, pause_s = [], 0.3
+    scheduler = model_free_scheduler(StepTimedScheduler, block_size=16, num_blocks=256, max_num_seqs=8,
+                                     max_num_batched_tokens=512, max_model_len=1024, timed_steps=steps)
+    engine = ModelFreeEngine(scheduler)
+    requests = vllm_requests(resolve_workload(WORKLOAD), block_size=16)
+    busy_periods = []
+    for request in requests[:2]:
+        engine.add_requests([request])
+        stepped = 0
+        while scheduler.has_unfinished_requests():
+            engine.step()
+            stepped += 1
+        busy_periods.append(stepped)
+        time.sleep(pause_s)
+    assert min(busy_periods) > 2
+    assert len(steps) == sum(busy_periods) - len(busy_periods)
+    assert max(step.step_wall_s for step in steps) < pause_s
+    assert all(step.decode_requests + len(step.prefill_chunks) == 1 for step in steps)
+
+
 @pytest.mark.live
 def test_a_small_live_sweep_reports_every_figure_and_every_request_finishes(capsys):
     pytest.importorskip("vllm")
@@ -105,7 +135,8 @@ def test_a_small_live_sweep_reports_every_figure_and_every_request_finishes(caps
     assert all(re.fullmatch(r"[a-z0-9_]+", key) for key in named), named
     assert report["policies"] == ["fcfs", "feather-rule"] and report["requests"] == 8
     assert report["profile"] == "vllm-cpu" and report["calibrated_profile"].startswith("vllm-cpu@x")
-    assert report["calibration_steps"] > 10 and report["clock_factor"] > 0
+    assert report["calibration_steps"] > 10 and report["clock_factor"] > 0 and report["burst_clock_factor"] > 0
+    assert report["calibration_load"] == 1.0 and report["burst_capacity_requests_per_s"] > 0
     assert report["clock_factor"] == pytest.approx(report["calibration_measured_s"] / report["calibration_predicted_s"])
     assert (report["slo_ttft_s"], report["slo_tpot_s"]) == (10.0, 0.5)                  # the CPU SLO
     assert report["capacity_requests_per_s"] > 0

@@ -5,13 +5,14 @@ schedules as a :class:`~feather_gym.costmodel.refit.LiveStep`: the step's compos
 (:func:`deploy.step_log.step_composition`, read right after ``schedule()``) and its time on the
 wall clock and in this thread's CPU time, from the start of its ``schedule()`` to the start of
 the next one. That cycle is everything a live round pays per step: scheduling, the model,
-sampling, the scheduler's update, the front end's output processing and the driver loop. So
-the round must keep the engine busy from step to step (every request submitted at once): an
-idle wait between steps would count as step time. The last step, which no ``schedule()``
-follows, is not recorded.
+sampling, the scheduler's update, the front end's output processing and the driver loop
+(online, the submission of the requests that arrived meanwhile). A step after which the
+engine had no unfinished request is not recorded: the driver may sleep until the next arrival
+before the next ``schedule()``, and that idle wait is no step's time. Nor is the last step,
+which no ``schedule()`` follows.
 
-:func:`calibrate_clock` serves a trace that way with it, once, and fits the cost model's
-clock factor on the recorded steps.
+:func:`calibrate_clock` serves a trace once with it, every request at once or online (each at
+its arrival time), and fits the cost model's clock factor on the recorded steps.
 """
 
 from __future__ import annotations
@@ -46,19 +47,26 @@ class StepTimedScheduler(Scheduler):
         self._open = (wall, cpu, step_composition(output, self.requests, self.hash_block_size))
         return output
 
+    def update_from_output(self, *args, **kwargs):
+        outputs = super().update_from_output(*args, **kwargs)
+        if not self.has_unfinished_requests():
+            self._open = None           # the engine is idle until the next arrival: no step's time
+        return outputs
 
-def time_engine_steps(llm, trace) -> list[LiveStep]:
-    """Serve ``trace`` once, every request at once, with :class:`StepTimedScheduler`; its timed steps."""
+
+def time_engine_steps(llm, trace, *, online: bool = False) -> list[LiveStep]:
+    """Serve ``trace`` once with :class:`StepTimedScheduler` (every request at once, or ``online``
+    at its arrival time); its timed steps."""
     steps: list[LiveStep] = []
-    result = run_round(llm, trace, StepTimedScheduler, label="clock calibration", round_index=-1, online=False,
+    result = run_round(llm, trace, StepTimedScheduler, label="clock calibration", round_index=-1, online=online,
                        timed_steps=steps)
     if result.lost:
         raise RuntimeError(f"clock calibration: {result.lost} of {len(trace)} requests did not finish")
     return steps
 
 
-def calibrate_clock(llm, trace, cost_model) -> ClockCalibration:
+def calibrate_clock(llm, trace, cost_model, *, online: bool = False) -> ClockCalibration:
     """:func:`~feather_gym.costmodel.clock.fit_clock` of ``cost_model`` on the wall times of
     :func:`time_engine_steps` (the engine should have served such batches before: a first
     batch shape compiles kernels)."""
-    return fit_clock(time_engine_steps(llm, trace), cost_model, clock="wall")
+    return fit_clock(time_engine_steps(llm, trace, online=online), cost_model, clock="wall")

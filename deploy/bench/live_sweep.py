@@ -7,9 +7,13 @@ engine, each load's figures beside the simulator's on the same requests and arri
    that engine (:func:`deploy.bench.validate.simulated_engine`: KV capacity, block size, token
    budget, ``max_num_seqs``, the admission's waiting bound). Every side serves the workload once,
    all requests at once, untimed (the engine compiles kernels for each new batch shape).
-2. **Clock.** One more such round with vLLM's scheduler times its engine steps and rescales the
-   profile's clock to this machine today (:func:`deploy.bench.clock.calibrate_clock`, one factor,
-   recorded in the report). Every simulated figure below is the calibrated profile's.
+2. **Clock.** Rounds with vLLM's scheduler time their engine steps and rescale the profile's
+   clock to this machine today (:func:`deploy.bench.clock.calibrate_clock`, one factor). A first
+   round serves every request at once; its factor gives a first capacity. A second round serves
+   the workload online at :data:`CALIBRATION_LOAD` of that capacity, and the factor fitted on
+   its steps is the one used: the steps of a loaded service (many, small) are the ones the loads
+   below run, and the profile's per-step error differs between them and a burst's. Both factors
+   are in the report. Every simulated figure below is the calibrated profile's.
 3. **Capacity and loads.** The workload's capacity is FCFS's on the calibrated profile
    (:func:`feather_gym.load.find_capacity`), so a load of 0.9 is 0.9 of what this machine
    sustains today; at each load the workload is replayed at that fraction of the capacity's
@@ -49,6 +53,8 @@ DEFAULT_LOADS = (0.7, 0.9, 1.1)
 #: Feather policies beside vLLM's scheduler (``fcfs``) when none are named.
 DEFAULT_POLICIES = ("feather-rule",)
 DEFAULT_ROUNDS = 2
+#: The load (of the burst-calibrated capacity) of the online round that fits the clock.
+CALIBRATION_LOAD = 1.0
 #: Figures of each side per load and policy (keys of both).
 FIGURES = ("throughput_tok_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_ms", "tpot_p99_ms", "goodput_req_s",
            "slo_met_fraction", "steps", "step_ms_mean", "decisions", "forced_wait_admissions",
@@ -120,7 +126,7 @@ def live_sweep(workload: str = DEFAULT_WORKLOAD, *, label: str | None = None, lo
     from deploy.bench.validate import as_deployed, as_served, live_sides, simulated_engine
     from deploy.engine_rounds import kv_capacity, run_round
     from feather_gym.costmodel import hardware_profile, load_cost_model
-    from feather_gym.load import check_load
+    from feather_gym.load import check_load, find_capacity
     from feather_gym.sweep import DEFAULT_SLOS, load_sweep
     from feather_gym.vllm_engine import resolve_kv_cache_gib, start_engine
     from traces import resolve_workload
@@ -145,9 +151,12 @@ def live_sweep(workload: str = DEFAULT_WORKLOAD, *, label: str | None = None, lo
     sides = live_sides(names, max_wait_steps=max_wait_steps)
     for side, (cls, kwargs) in sides.items():
         run_round(llm, trace, cls, label=f"warm-up {side}", round_index=-1, online=False, **kwargs)
-    calibration = calibrate_clock(llm, trace, base)
+    burst = calibrate_clock(llm, trace, base)
+    first = find_capacity(trace, base.scaled(burst.factor), engine_config)
+    calibration = calibrate_clock(llm, at_rate(trace, first.rate_factor * CALIBRATION_LOAD), base, online=True)
     cost_model = base.scaled(calibration.factor)
-    logger.info("clock factor %.4f on %d steps", calibration.factor, calibration.steps)
+    logger.info("clock factor %.4f on %d online steps (all at once: %.4f)", calibration.factor, calibration.steps,
+                burst.factor)
     sim = load_sweep(trace, cost_model, names, loads, slo=slo, config=engine_config, policy_factory=as_deployed)
     capacity = {key: sim[key] for key in ("capacity_rate_factor", "capacity_requests_per_s", "capacity_simulations")}
     report = {"workload": label or workload_label(workload), "spec": workload, "requests": len(trace),
@@ -155,7 +164,10 @@ def live_sweep(workload: str = DEFAULT_WORKLOAD, *, label: str | None = None, lo
               "policies": names, "rounds": rounds, "max_wait_steps": max_wait_steps, "kv_cache_gib": kv_cache_gib,
               **kv_capacity(llm), "token_budget": engine_config.token_budget,
               "max_num_seqs": engine_config.max_num_seqs, "profile": base.name, "calibrated_profile": cost_model.name,
-              **calibration.as_dict(), **slo.as_dict(), **capacity, "loads": []}
+              **calibration.as_dict(), "calibration_load": CALIBRATION_LOAD,
+              "burst_clock_factor": burst.factor, "burst_calibration_mape_after": burst.mape_after,
+              "burst_capacity_requests_per_s": first.requests_per_s,
+              **slo.as_dict(), **capacity, "loads": []}
     for k, load in enumerate(loads):
         loaded = at_rate(trace, capacity["capacity_rate_factor"] * load)     # load_sweep's at_load
         logger.info("load %g: %.3g requests/s over %.1f s", load, capacity["capacity_requests_per_s"] * load,
@@ -185,10 +197,12 @@ def format_live_sweep(report: dict) -> str:
     rows = [f"workload {report['workload']} ({report['requests']} requests), {report['rounds']} live rounds per "
             f"policy and load, SLO TTFT {report['slo_ttft_s']:g} s TPOT {1e3 * report['slo_tpot_s']:g} ms, "
             f"{report['wall_s']:.0f} s",
-            f"clock: profile {report['profile']} x{report['clock_factor']:.3f} on {report['calibration_steps']} "
-            f"timed steps ({report['calibration_measured_s']:.2f} s measured, {report['calibration_predicted_s']:.2f} "
-            f"s predicted; per-step MAPE {100 * report['calibration_mape_before']:.0f}% -> "
+            f"clock: {report['profile']} x{report['clock_factor']:.3f}, {report['calibration_steps']} steps online at "
+            f"load {report['calibration_load']:g} ({report['calibration_measured_s']:.1f} s, predicted "
+            f"{report['calibration_predicted_s']:.1f} s; step MAPE {100 * report['calibration_mape_before']:.0f}% -> "
             f"{100 * report['calibration_mape_after']:.0f}%)",
+            f"all at once: x{report['burst_clock_factor']:.3f}, FCFS capacity "
+            f"{report['burst_capacity_requests_per_s']:.3g} requests/s",
             f"FCFS capacity on the calibrated profile {report['capacity_requests_per_s']:.3g} requests/s "
             f"({report['capacity_simulations']} simulations)",
             "cells: simulated|live; sched: the live scheduler's CPU ms per step",
