@@ -45,7 +45,8 @@ from feather_gym.build_lock import build_lock
 from feather_gym.hybrid.gdn_scan import faster_gdn_backward
 from feather_gym.hybrid.long_tasks import task_token_ids
 from feather_gym.hybrid.recall import gate_memory_spectrum, recall_accuracy
-from feather_gym.hybrid.training import Stage, TrainSettings, init_gate_memory, training_batch, weighted_loss
+from feather_gym.hybrid.training import (Stage, TrainSettings, init_gate_memory, init_recall_circuit,
+                                         training_batch, weighted_loss)
 from feather_gym.vllm_engine import DEFAULT_CACHE_DIR as SMOLLM2_DIR
 from feather_gym.vllm_engine import ensure_smollm2_hf
 from traces.text import corpus_path, corpus_token_ids
@@ -118,7 +119,7 @@ SPECS = {
                                           Stage(0.4, 256, 8, _TASKS), Stage(0.55, 512, 4, _TASKS),
                                           Stage(0.7, 1024, 2, _TASKS), Stage(0.8, 2048, 2, _TASKS),
                                           Stage(0.9, 4096, 1, _TASKS)),
-                              answer_weight=5.0, text_loss_fraction=0.2, gate_dt_range=(1e-3, 1e-1),
+                              answer_weight=5.0, text_loss_fraction=0.2, gate_dt_range=(1e-3, 1e-1), recall_init=True,
                               warmup_steps=20, max_steps=1500, max_cpu_minutes=30.0,
                               recall_lengths=(1024, 2048, 4096), recall_samples=16, threads=1)),
     "tiny": (HybridSpec("qwen3next-hybrid-tiny", num_layers=4, hidden_size=128, expert_size=128,
@@ -162,6 +163,8 @@ def train_hybrid(spec: HybridSpec, settings: TrainSettings, target: Path, *, log
     model = Qwen3NextForCausalLM(spec.config(int(vocab.size)))
     if settings.gate_dt_range is not None:
         init_gate_memory(model, settings.gate_dt_range, torch.Generator().manual_seed(settings.seed))
+    if settings.recall_init:
+        init_recall_circuit(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=0.01, betas=(0.9, 0.95))
     rng = np.random.default_rng(settings.seed)
     start, cpu_start = time.perf_counter(), time.process_time()
