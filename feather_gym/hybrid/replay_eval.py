@@ -1,6 +1,6 @@
 """``feather replay eval`` (provider of feather_cli/main.py): SuffixReplay on the hybrid model.
 
-``feather replay eval [--model trained|tiny|DIR] [--page 256] [--prefix-tokens 1024,2048]
+``feather replay eval [--model trained|remember|tiny|DIR] [--page 256] [--prefix-tokens 1024,2048]
 [--replay-tokens 16,32,64,128,256] [--continuation-tokens 64] [--samples 4] [--needles 8]
 [--time-prefix-tokens 4096,16384,32768] [--anchor-dtype bfloat16] [--workload SPEC] [--threads N]
 [--seed 0] [--json]``
