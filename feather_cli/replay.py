@@ -12,7 +12,8 @@ def register(tree) -> None:
     """Add ``feather replay eval``."""
     replay = tree.group("replay")
     ev = replay.add_parser("eval", help="state error, quality retention, storage and rebuild time of SuffixReplay")
-    ev.add_argument("--model", default="trained", metavar="trained|remember|tiny|DIR", help="hybrid model (default trained)")
+    ev.add_argument("--model", default="trained", metavar="trained|remember|tiny|DIR",
+                    help="hybrid model (default trained)")
     ev.add_argument("--page", type=positive_int, default=256, help="page size in tokens (default 256)")
     ev.add_argument("--prefix-tokens", type=int_list, default="1024,2048", help="prefix lengths p, multiples of --page")
     ev.add_argument("--replay-tokens", type=int_list, default="16,32,64,128,256", help="replay lengths R per layer")

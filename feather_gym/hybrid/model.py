@@ -45,8 +45,14 @@ from feather_gym.build_lock import build_lock
 from feather_gym.hybrid.gdn_scan import faster_gdn_backward
 from feather_gym.hybrid.long_tasks import task_token_ids
 from feather_gym.hybrid.recall import gate_memory_spectrum, recall_accuracy
-from feather_gym.hybrid.training import (Stage, TrainSettings, init_gate_memory, init_recall_circuit,
-                                         training_batch, weighted_loss)
+from feather_gym.hybrid.training import (
+    Stage,
+    TrainSettings,
+    init_gate_memory,
+    init_recall_circuit,
+    training_batch,
+    weighted_loss,
+)
 from feather_gym.vllm_engine import DEFAULT_CACHE_DIR as SMOLLM2_DIR
 from feather_gym.vllm_engine import ensure_smollm2_hf
 from traces.text import corpus_path, corpus_token_ids
