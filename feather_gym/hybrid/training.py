@@ -11,8 +11,8 @@
   (Mamba's time-step initialization) instead of transformers' default, which forgets within a
   few tokens.
 * :func:`init_recall_circuit`: a mimetic start for in-context recall (keys tied to queries, the
-  short convolution shifting keys by one token), from which copying is learned within a few
-  hundred steps instead of a plateau longer than the whole budget.
+  short convolution shifting keys by one token), so that training refines an induction circuit
+  instead of having to find one.
 """
 
 from __future__ import annotations
