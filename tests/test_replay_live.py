@@ -22,7 +22,7 @@ def llm(hybrid_model_dir):
     from feather_gym.vllm_engine import start_engine
 
     register_replay_layer()                     # before the engine starts
-    return start_engine(hybrid_model_dir, dtype="bfloat16", max_model_len=4096, kv_cache_gib=0.25)
+    return start_engine(hybrid_model_dir, dtype="bfloat16", max_model_len=4096, kv_cache_gib=0.25, max_logprobs=-1)
 
 
 def block_size(llm) -> int:
@@ -280,9 +280,11 @@ def test_a_later_turn_resumes_on_a_page_the_first_turn_reached_while_decoding(ll
 def layer_wise_anchors(llm) -> list[int]:
     """The model level's layer-wise choice: the first GDN layer after each attention layer (the
     second GDN layer on a model with none)."""
+    from feather_gym.hybrid.suffix_replay import layerwise_anchor_layers
+
     types = llm.llm_engine.vllm_config.model_config.hf_config.layer_types
     gdn = [i for i, kind in enumerate(types) if kind == "linear_attention"]
-    return [g for g in gdn if g and types[g - 1] == "full_attention"] or gdn[1:2]
+    return layerwise_anchor_layers(types) or gdn[1:2]
 
 
 def gdn_states(llm, blocks: dict[int, int]) -> dict[int, list]:
@@ -385,3 +387,21 @@ def test_layer_wise_hits_resume_at_the_attention_hit_on_a_fraction_of_the_bytes(
     assert stats["anchor_bytes_by_layer"] == {str(layer): 2 * stats["anchor_bytes_per_page"] // len(layers)
                                               for layer in layers}
     assert all(len(o.outputs[0].token_ids) == 8 for o in replayed)
+
+
+@live
+def test_the_quality_bench_scores_replay_from_the_sequence_start_as_the_exact_prefill(llm):
+    """Every replayed prompt resumes at its boundary from anchors, and anchors that reach back to the
+    sequence start rebuild the exact state, so the bench must find no loss there."""
+    from deploy.bench.replay_quality import measure, quality_prompts
+
+    block = block_size(llm)
+    source = np.random.default_rng(3).integers(100, 20000, 20_000)
+    prompts = quality_prompts(source, None, block=block, lengths=[block + 64], samples=3, continuation_tokens=48,
+                              tasks=())
+    report = measure(llm, prompts, [("uniform", block), ("suffix", 16)])
+    whole, suffix = report["configs"]
+    assert whole["misses"] == suffix["misses"] == 0
+    assert whole["replay_hits"] == suffix["replay_hits"] == len(prompts)
+    assert whole["next_token_kl_nats_mean"] < 1e-4 and whole["ppl_ratio"] == pytest.approx(1.0, abs=1e-3)
+    assert whole["anchor_bytes_per_token"] > 0 and suffix["anchor_bytes_per_token"] == 0

@@ -74,7 +74,7 @@ def evaluate(model_kind: str, *, page: int, prefixes: list[int], replay_tokens: 
     tail = ids[heldout_start(ids.size):]
     config = model.config
     gdn = sorted(sr.gdn_modules(model))
-    layer_anchored = [g for g in gdn if g > 0 and config.layer_types[g - 1] == "full_attention"]
+    layer_anchored = sr.layerwise_anchor_layers(config.layer_types)
     rng = np.random.default_rng(seed)
     methods = _methods(sr, gdn, layer_anchored, config.linear_conv_kernel_dim, anchor_dtype, page)
 

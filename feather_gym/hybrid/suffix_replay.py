@@ -65,6 +65,13 @@ def gdn_modules(model) -> dict[int, torch.nn.Module]:
     return {i: layer.linear_attn for i, layer in enumerate(model.model.layers) if hasattr(layer, "linear_attn")}
 
 
+def layerwise_anchor_layers(layer_types: list[str]) -> list[int]:
+    """Layer-wise replay's anchored layers: each GDN (``linear_attention``) layer right after an
+    attention layer; the layers between are rebuilt through the decoder layers from them."""
+    return [i for i in range(1, len(layer_types))
+            if layer_types[i] == "linear_attention" and layer_types[i - 1] == "full_attention"]
+
+
 def fresh_cache(model):
     """An empty ``DynamicCache`` of the model's layer layout (zero GDN states, no KV)."""
     from transformers import DynamicCache
