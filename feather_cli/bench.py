@@ -140,6 +140,7 @@ def add_replay_quality_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--continuation-tokens", type=positive_int, default=64,
                         help="text tokens scored after the boundary (default 64)")
     parser.add_argument("--kv-cache-gib", type=positive_float, default=None, help="KV-cache size in GiB (default 0.5)")
+    parser.add_argument("--plot", metavar="FILE", help="write retention against storage as a PNG")
     parser.add_argument("--seed", type=non_negative_int, default=0)
     add_json(parser)
     parser.set_defaults(func=replay_quality_command)
@@ -355,6 +356,10 @@ def replay_quality_command(args) -> int:
                             replay_tokens=args.replay_tokens, samples=args.samples,
                             continuation_tokens=args.continuation_tokens, kv_cache_gib=args.kv_cache_gib,
                             seed=args.seed)
+    if args.plot:
+        from deploy.bench.replay_quality import plot_retention
+
+        plot_retention(report, args.plot)
     return print_report(format_report(report), report, as_json=args.json)
 
 

@@ -68,3 +68,14 @@ def test_methods_name_the_engines_replay_settings():
     with pytest.raises(ValueError, match="unknown method"):
         method_settings("zero", 16, types)
     assert set(METHODS) == {"uniform", "decay", "layerwise", "suffix"}
+
+
+def test_the_retention_plot_is_written(tmp_path):
+    from deploy.bench.replay_quality import plot_retention
+
+    configs = [{"method": m, "replay_tokens": r, "vs_checkpoint_8192": x, "retention_mean": y}
+               for m, r, x, y in (("uniform", 16, 1.3, 0.0), ("uniform", 256, 20.4, 0.04), ("suffix", 16, 0.0, None))]
+    path = tmp_path / "retention.png"
+    plot_retention({"model": "/models/remember-4l/", "block_tokens": 384, "lengths_tokens": [1024],
+                    "configs": configs}, str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

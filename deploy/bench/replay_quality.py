@@ -241,6 +241,37 @@ def replay_quality(*, model: str = "remember", lengths: list[int], methods: list
             "wall_s": round(time.perf_counter() - started, 1)}
 
 
+def plot_retention(report: dict, path: str, *, target_retention: float = 0.95, target_storage: float = 0.4) -> None:
+    """Retention (mean over tasks and lengths) against anchor bytes per token ÷ an 8,192-token
+    checkpoint's, one line per method through its ``R``s, the target corner shaded (PNG, Agg)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    ax.fill_between([0, target_storage], target_retention, 1.0, color="tab:green", alpha=0.15,
+                    label=f"target: retention >= {target_retention}, <= {target_storage}x bytes")
+    for method in dict.fromkeys(c["method"] for c in report["configs"]):
+        rows = sorted((c["vs_checkpoint_8192"], c["retention_mean"] or 0.0, c["replay_tokens"])
+                      for c in report["configs"] if c["method"] == method)
+        line, = ax.plot([x for x, _, _ in rows], [y for _, y, _ in rows], marker="o", label=method)
+        for x, y, r in rows:
+            ax.annotate(f"R={r}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7,
+                        color=line.get_color())
+    ax.set_xscale("symlog", linthresh=0.1)
+    ax.set_ylim(-0.02, 1.05)
+    ax.set_xlabel("anchor bytes per cached token / an 8,192-token checkpoint's")
+    ax.set_ylabel("needle retention (of the exact prefill's hits)")
+    ax.set_title(f"SuffixReplay in the engine: {report['model'].rstrip('/').split('/')[-1]}, "
+                 f"block {report['block_tokens']}, lengths {report['lengths_tokens']}", fontsize=9)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8, loc="center right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def format_report(report: dict) -> str:
     """One row per configuration: storage, retention per task (all lengths), perplexity ratio, KL."""
     from traces.table import format_table
