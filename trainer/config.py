@@ -125,8 +125,9 @@ class TrainConfig:
 
     Budget: training stops after ``iterations`` PPO iterations when given, otherwise when
     another iteration would overrun ``time_budget_s``: the wall time of the warm start (its
-    playouts, with ``improve_warm_start``) and of ``algo.train()`` together, at least one
-    iteration. Ray start-up, evaluation and export come on top.
+    playouts, with ``improve_warm_start``), the validation benchmark, the validations and
+    ``algo.train()`` together, at least one iteration. Ray start-up, evaluation and export come on
+    top.
 
     Invariant: every number is in its field's range (``metadata`` ``min``/``max`` inclusive,
     ``gt``/``lt`` exclusive; each item of a tuple); None means "the default" and is the only
