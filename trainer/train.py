@@ -172,7 +172,8 @@ class BestCheckpoint:
     among those no worse than the network PPO started from.
 
     Score: :func:`trainer.evaluate.validation_score` (the worst workload's throughput over its
-    target within the 1% tolerance of the best heuristic; then the mean margin), so the
+    target within the 1% tolerance of the best heuristic; then, worst margins within the tie
+    tolerance tying, the mean margin: :func:`trainer.evaluate.scores_higher`), so the
     kept policy is the one closest to meeting every target at once, and among those meeting them
     all the one with the most gain. Needed because PPO's stochastic policy can improve while its
     greedy policy, the one deployed, gets worse. The first validation is the start (the warm-start
@@ -197,7 +198,7 @@ class BestCheckpoint:
 
     def validate(self, iteration: int) -> str:
         """Score the current network; save the checkpoint when it is the best so far. Returns a log line."""
-        from trainer.evaluate import by_load, slower_workloads, validation_score
+        from trainer.evaluate import by_load, scores_higher, slower_workloads, validation_score
 
         start = time.monotonic()
         module = learner_module(self.algo)
@@ -211,7 +212,7 @@ class BestCheckpoint:
                  for load, summary in by_load(evaluation).items()}
         self.history.append({"iteration": iteration, "worst_margin": worst, "mean_margin": mean, "margins": margins,
                              "by_load": loads, "slower_than_start": slower})
-        kept = score > self.best_score and not slower
+        kept = scores_higher(score, self.best_score) and not slower
         if kept:
             self.best_score, self.best_iteration = score, iteration
             self.algo.save_to_path(str(self.path.resolve()))
