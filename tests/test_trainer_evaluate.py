@@ -1,5 +1,7 @@
 """How a trained policy is judged: the targets per workload and the validation score."""
 
+import math
+
 import numpy as np
 import pytest
 
@@ -13,6 +15,7 @@ from trainer.evaluate import (
     format_table,
     paired_ratio,
     paired_sign,
+    scores_higher,
     slower_workloads,
     validation_score,
 )
@@ -164,6 +167,15 @@ def test_validation_score_ranks_the_worst_workload_first_at_the_selection_tolera
         < validation_score(evaluation(1.00, 1.00))
     # No sharing: the target is 0.98 x FCFS itself, with no further tolerance.
     assert validation_score(evaluation(1.00, 0.975))[0] < 1.0 <= validation_score(evaluation(1.00, 0.981))[0]
+
+
+def test_worst_margins_within_the_tie_tolerance_tie_and_the_mean_decides():
+    start = (0.9874, 1.0010)
+    assert not scores_higher((0.9874 + TIE_TOLERANCE / 2, 1.0008), start)   # a negligible gain on the worst
+    assert scores_higher((0.9874 - TIE_TOLERANCE / 2, 1.0012), start)       # a negligible loss on it
+    assert scores_higher((0.9874 + 2 * TIE_TOLERANCE, 0.99), start)
+    assert not scores_higher((0.9874 - 2 * TIE_TOLERANCE, 1.05), start)
+    assert scores_higher(start, (-math.inf, -math.inf))                      # the first validation is kept
 
 
 def test_every_result_reports_its_load_regime(bench):

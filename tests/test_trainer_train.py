@@ -10,12 +10,13 @@ import numpy as np
 import onnx
 import onnxruntime
 import pytest
+import torch
 
 from feather_cli.main import main as feather
 from feather_gym.observation import FEATURE_NAMES, OBS_VERSION
 from feather_gym.policies import DEFAULT_MAX_WAIT_STEPS
 from trainer.config import TrainConfig
-from trainer.train import train
+from trainer.train import NetworkPolicy, ppo_config, train
 
 WORKLOADS = ("prefix-groups:num_requests=48,groups=3,rate=100", "no-sharing:num_requests=48@load=0.9")
 
@@ -24,6 +25,35 @@ WORKLOADS = ("prefix-groups:num_requests=48,groups=3,rate=100", "no-sharing:num_
 def private_ray(monkeypatch):
     """Local Ray without auth; trainer.train.ray_session gives it a fresh temp dir and removes it."""
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+
+
+def default_module(k: int):
+    """PPO's default module of ``feather-train``'s network settings, untrained (no Ray needed)."""
+    from gymnasium.spaces import Box, Discrete
+
+    from feather_gym.observation import OBS_CLIP, observation_size
+
+    algo_config = ppo_config(TrainConfig(workloads=WORKLOADS, profile="h100", num_candidates=k))
+    spec = algo_config.get_default_rl_module_spec()
+    spec.observation_space = Box(0.0, OBS_CLIP, (observation_size(k),), np.float32)
+    spec.action_space, spec.model_config = Discrete(k + 1), algo_config.model_config
+    torch.manual_seed(k)
+    return spec.build()
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_validation_acts_as_the_modules_greedy_policy(k):
+    from types import SimpleNamespace
+
+    from ray.rllib.core.columns import Columns
+
+    module = default_module(k)
+    policy = NetworkPolicy(module)
+    rows = np.random.default_rng(k).uniform(0, 2, (200, module.observation_space.shape[0])).astype(np.float32)
+    with torch.no_grad():
+        logits = module.forward_inference({Columns.OBS: torch.from_numpy(rows)})[Columns.ACTION_DIST_INPUTS]
+    assert policy.num_candidates == k
+    assert [policy.decide(SimpleNamespace(observation=row)) for row in rows] == logits.argmax(-1).tolist()
 
 
 @pytest.mark.train

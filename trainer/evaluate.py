@@ -188,12 +188,23 @@ def slower_workloads(evaluation: dict, reference: dict) -> list[str]:
 
 def validation_score(evaluation: dict) -> tuple[float, float]:
     """How close an evaluation comes to meeting every target within its tolerance, for ranking
-    checkpoints: ``(worst target margin, mean margin)`` compared in that order, the worst capped at
-    1 (once every workload is within its target, ``TARGET_TOLERANCE`` of the best
-    heuristic or ``NO_SHARING_TOLERANCE`` of FCFS, the mean margin decides)."""
+    checkpoints: ``(worst target margin, mean margin)`` compared in that order
+    (:func:`scores_higher`), the worst capped at 1 (once every workload is within its target,
+    ``TARGET_TOLERANCE`` of the best heuristic or ``NO_SHARING_TOLERANCE`` of FCFS, the mean
+    margin decides)."""
     results = evaluation["workloads"]
     return (min(min(result["target_margin"] for result in results), 1.0),
             float(np.mean([result["margin"] for result in results])))
+
+
+def scores_higher(score: tuple[float, float], best: tuple[float, float]) -> bool:
+    """Whether :func:`validation_score` ``score`` ranks above ``best``: a worst target margin higher
+    by more than ``TIE_TOLERANCE``, or one within it and a higher mean margin. Margins are ratios
+    to a target, so worst margins that close tie, as throughputs do in the targets; otherwise a
+    negligible change on the worst workload would outrank any change on all the others."""
+    if abs(score[0] - best[0]) > TIE_TOLERANCE:
+        return score[0] > best[0]
+    return score[1] > best[1]
 
 
 def evaluate_policy(policy_path: str | Path, *, workloads: Sequence[str], profile: str,

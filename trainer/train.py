@@ -130,20 +130,40 @@ def restore(algo, checkpoint: Path) -> None:
 
 
 class NetworkPolicy(Policy):
-    """The network being trained, acting greedily on the CHT's candidates (validation only)."""
+    """The network being trained, acting greedily on the CHT's candidates (validation only).
+
+    Its policy path (PPO's default module, ``vf_share_layers`` off: the actor encoder's dense
+    layers with tanh between them, then the pi head) is copied into the compiled evaluator that
+    runs the exported ONNX file (:class:`feather_gym._dense.DenseNet`, tanh as onnxruntime
+    computes it), so a validation judges the network as it will be served. The copy is accepted
+    only when its logits equal the module's within :data:`feather_gym.policy_runtime.NATIVE_PARITY_ATOL`
+    on random observations (``RuntimeError`` otherwise)."""
 
     name = "network"
 
-    def __init__(self, module, num_candidates: int) -> None:
-        self.module, self.num_candidates = module, num_candidates
-
-    def decide(self, point) -> int:
+    def __init__(self, module) -> None:
+        import numpy as np
         import torch
         from ray.rllib.core.columns import Columns
 
+        from feather_gym._dense import DenseNet
+        from feather_gym.observation import OBS_CLIP
+        from feather_gym.policy_runtime import NATIVE_PARITY_ATOL, NATIVE_PARITY_ROWS
+
+        dense = [layer for part in (module.encoder.actor_encoder, module.pi) for layer in part.modules()
+                 if isinstance(layer, torch.nn.Linear)]
+        self.network = DenseNet([layer.weight.detach().numpy() for layer in dense],
+                                [layer.bias.detach().numpy() for layer in dense], "tanh")
+        self.num_candidates = self.network.num_outputs - 1
+        rows = np.random.default_rng(0).uniform(0.0, OBS_CLIP, (NATIVE_PARITY_ROWS, self.network.num_inputs))
+        rows = rows.astype(np.float32)
         with torch.no_grad():
-            out = self.module.forward_inference({Columns.OBS: torch.from_numpy(point.observation[None])})
-        return int(out[Columns.ACTION_DIST_INPUTS][0].argmax())
+            logits = module.forward_inference({Columns.OBS: torch.from_numpy(rows)})[Columns.ACTION_DIST_INPUTS]
+        if not np.allclose(self.network.outputs(rows), logits.numpy(), rtol=0.0, atol=NATIVE_PARITY_ATOL):
+            raise RuntimeError("the compiled copy of the policy network disagrees with the module's logits")
+
+    def decide(self, point) -> int:
+        return self.network.act(point.observation)
 
 
 class BestCheckpoint:
@@ -152,7 +172,8 @@ class BestCheckpoint:
     among those no worse than the network PPO started from.
 
     Score: :func:`trainer.evaluate.validation_score` (the worst workload's throughput over its
-    target within the 1% tolerance of the best heuristic; then the mean margin), so the
+    target within the 1% tolerance of the best heuristic; then, worst margins within the tie
+    tolerance tying, the mean margin: :func:`trainer.evaluate.scores_higher`), so the
     kept policy is the one closest to meeting every target at once, and among those meeting them
     all the one with the most gain. Needed because PPO's stochastic policy can improve while its
     greedy policy, the one deployed, gets worse. The first validation is the start (the warm-start
@@ -166,7 +187,7 @@ class BestCheckpoint:
         from trainer.evaluate import Benchmark
 
         start = time.monotonic()
-        self.algo, self.path, self.num_candidates = algo, path, config.num_candidates
+        self.algo, self.path = algo, path
         self.benchmark = Benchmark(workloads=config.training_workloads(), profile=config.profile,
                                    seeds=config.validation_seeds, engine=config.engine())
         self.best_score = (-math.inf, -math.inf)
@@ -177,11 +198,11 @@ class BestCheckpoint:
 
     def validate(self, iteration: int) -> str:
         """Score the current network; save the checkpoint when it is the best so far. Returns a log line."""
-        from trainer.evaluate import by_load, slower_workloads, validation_score
+        from trainer.evaluate import by_load, scores_higher, slower_workloads, validation_score
 
         start = time.monotonic()
         module = learner_module(self.algo)
-        evaluation = self.benchmark.evaluate(NetworkPolicy(module, self.num_candidates))
+        evaluation = self.benchmark.evaluate(NetworkPolicy(module))
         self.start = self.start or evaluation
         slower = slower_workloads(evaluation, self.start)
         score = validation_score(evaluation)
@@ -191,7 +212,7 @@ class BestCheckpoint:
                  for load, summary in by_load(evaluation).items()}
         self.history.append({"iteration": iteration, "worst_margin": worst, "mean_margin": mean, "margins": margins,
                              "by_load": loads, "slower_than_start": slower})
-        kept = score > self.best_score and not slower
+        kept = scores_higher(score, self.best_score) and not slower
         if kept:
             self.best_score, self.best_iteration = score, iteration
             self.algo.save_to_path(str(self.path.resolve()))
