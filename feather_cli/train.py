@@ -46,8 +46,8 @@ EXPORT_HELP = ("export the policy of an RLlib checkpoint to a Feather ONNX file,
 def add_dataclass_flags(parser, cls, spelling: dict[str, dict]) -> None:
     """Add to ``parser`` (or an argument group) one flag per field of the dataclass ``cls``:
     ``--<field-name-with-dashes>``, help ``metadata["help"]`` and the default, typed by the
-    annotation (``X | None`` as ``X``; a tuple takes one or more values; an optional field also
-    takes :data:`~trainer.config.OFF`, None). A flag not given is None,
+    annotation (``X | None`` as ``X``; a tuple takes one or more values; an optional field with a
+    default other than None also takes :data:`~trainer.config.OFF`). A flag not given is None,
     so it overrides nothing. ``spelling[name]`` adds or replaces ``add_argument`` keywords of
     a field's flag, and ``"flags"`` (its names) and ``"group"`` (where it goes)."""
     hints = typing.get_type_hints(cls)
@@ -61,7 +61,7 @@ def add_dataclass_flags(parser, cls, spelling: dict[str, dict]) -> None:
             options = {"type": typing.get_args(kind)[0], "nargs": "+", "action": "extend"}
         else:
             options = {"type": kind}
-        if optional:
+        if optional and field.default is not None:
             options["type"] = _or_off(options["type"])
         shown = "" if field.default is None else f" (default: {_shown(field.default)})"
         options |= {"dest": field.name, "default": None, "help": field.metadata["help"] + shown}

@@ -219,17 +219,15 @@ def test_seed_sets_follow_the_env_runners_and_the_warm_start():
     assert sets["training env seeds (seed + 1000 x env runner)"] == (1_005, 2_005)
     several = TrainConfig(workloads=SMALL, seed=5, num_env_runners=2, workload_instances=3).seed_sets()
     assert several["training env seeds (seed + 1000 x env runner)"] == (1_005, 1_006, 1_007, 2_005, 2_006, 2_007)
-    # The plain warm start (the default) records 4 seeds; the flag turns the playouts on at its gain, and
-    # the playout-improved warm start records 8.
-    assert config.improve_warm_start is None
-    assert sets["warm-start demonstration seeds"] == (50_000, 50_001, 50_002, 50_003)
+    # The playout-improved warm start (the default) records 8 seeds; the flag sets its gain or turns it off.
+    assert sets["warm-start demonstration seeds"] == tuple(range(50_000, 50_008))
     improved = build_config({"workloads": list(SMALL)}, flags(["--improve-warm-start", "0.02"]))
     assert improved.improve_warm_start == 0.02
-    assert improved.seed_sets()["warm-start demonstration seeds"] == tuple(range(50_000, 50_008))
+    plain = build_config({"workloads": list(SMALL), "improve_warm_start": 0.02}, flags(["--improve-warm-start", "off"]))
+    assert plain.improve_warm_start is None
+    assert plain.seed_sets()["warm-start demonstration seeds"] == (50_000, 50_001, 50_002, 50_003)
     with pytest.raises(SystemExit):
         flags(["--improve-warm-start", "some"])
-    assert build_config({"workloads": list(SMALL), "improve_warm_start": 0.02},
-                        flags(["--improve-warm-start", "off"])).improve_warm_start is None
     assert TrainConfig(num_env_runners=0, seed=5).training_env_seeds() == (5,)     # the local runner's envs
     # Without a warm start (or when resuming) no demonstrations are recorded: their seeds are free.
     TrainConfig(workloads=SMALL, warm_start="none", validation_seeds=(50_001,)).validate()

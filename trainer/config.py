@@ -177,12 +177,11 @@ class TrainConfig:
     warm_start: str = field(default="feather-rule", metadata={
         "help": "baseline cloned into the network before PPO (trainer.warm_start), or none for a random network; "
                 "ignored when resuming"})
-    improve_warm_start: float | None = field(default=None, metadata={"min": 0,
+    improve_warm_start: float | None = field(default=0.01, metadata={"min": 0,
         "help": "clone one step of policy iteration on the warm-start baseline instead of the baseline: a decision "
                 "takes STOP where its simulated playouts (mean over sampled output-length futures) gain over "
-                "MIN_GAIN (a share of the window's time, e.g. 0.01) on the baseline's action; on a time budget the "
-                "playouts stop at trainer.warm_start.PLAYOUT_SHARE of it; off (the default) clones the baseline as "
-                "it is; ignored with warm_start none and when resuming"})
+                "MIN_GAIN (a share of the window's time) on the baseline's action; off clones the baseline as it is; "
+                "ignored with warm_start none and when resuming"})
     clone_smoothing: float = field(default=0.1, metadata={"min": 0, "lt": 1,
         "help": "label smoothing of the cloning loss: the clone keeps this much probability off the "
                 "demonstrator's action, so PPO's sampled episodes still try the others"})
