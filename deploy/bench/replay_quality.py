@@ -51,8 +51,9 @@ ANCHOR_BUDGET_BYTES = 2**31
 
 @dataclass(frozen=True)
 class Prompt:
-    """One scored prompt: ``ids`` resume at ``boundary``; ``answer`` (a task's) or ``scored``
-    (text) are the positions whose tokens are scored, all after ``boundary``."""
+    """One scored prompt: ``ids`` resume at ``boundary``; ``scored`` are the positions whose tokens
+    are scored (a task's answer, or a text's tokens from ``boundary + 1``), all after ``boundary``;
+    ``needle_to_boundary_tokens``: from the end of a task's queried needle to ``boundary``."""
 
     task: str
     length: int
