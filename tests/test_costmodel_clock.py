@@ -1,5 +1,5 @@
-"""Clock calibration (feather_gym.costmodel.clock): one factor fitted on timed live steps, and the
-scaled cost model it gives (no engine: the steps are made here)."""
+"""Clock calibration (feather_gym.costmodel.clock): two factors (prefill, the rest) fitted on timed
+live steps, and the scaled cost model they give (no engine: the steps are made here)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import pytest
 
 from feather_gym.costmodel import DecodeBatch, load_cost_model
 from feather_gym.costmodel.clock import fit_clock, predicted_step_s
+from feather_gym.costmodel.features import PREFILL_COLUMNS
 from feather_gym.costmodel.refit import LiveStep
 
 #: Compositions as the engine logs them: prefill bursts of unlike chunks, mixed and decode steps.
@@ -41,7 +42,8 @@ def test_a_machine_uniformly_slower_is_one_factor_and_the_scaled_model_predicts_
     base = load_cost_model("vllm-cpu")
     steps = timed(base, [1.25] * len(COMPOSITIONS), extra=[NOTHING])     # a step with no work is left out
     calibration = fit_clock(steps, base)
-    assert calibration.factor == pytest.approx(1.25) and calibration.steps == len(COMPOSITIONS)
+    assert calibration.factor == pytest.approx(1.25) and calibration.prefill_factor == pytest.approx(1.25)
+    assert calibration.steps == len(COMPOSITIONS)
     assert calibration.mape_before == pytest.approx(0.2) and calibration.mape_after == pytest.approx(0.0, abs=1e-12)
     assert calibration.measured_s == pytest.approx(1.25 * calibration.predicted_s)
     scaled = base.scaled(calibration.factor)
@@ -51,13 +53,27 @@ def test_a_machine_uniformly_slower_is_one_factor_and_the_scaled_model_predicts_
     assert fit_clock(steps, base, clock="cpu").factor == pytest.approx(0.625)          # the CPU clock's times
 
 
-def test_the_factor_matches_the_total_time_and_leaves_what_one_factor_cannot_explain():
+def test_a_machine_whose_prefill_drifted_apart_is_two_factors_and_the_scaled_model_predicts_its_steps():
     base = load_cost_model("vllm-cpu")
-    factors = [1.0, 2.0, 1.0, 2.0, 1.0]
-    calibration = fit_clock(timed(base, factors), base)
-    predicted = [predicted_step_s(base, LiveStep(0, 0.0, 0.0, 0.0, **c)) for c in COMPOSITIONS]
-    assert calibration.factor == pytest.approx(sum(f * p for f, p in zip(factors, predicted)) / sum(predicted))
-    assert 1.0 < calibration.factor < 2.0 and calibration.mape_after > 0.1
+    today = base.scaled(1.2, prefill_factor=0.7)
+    assert today.name == "vllm-cpu@x1.2/prefill x0.7"
+    assert all(today.coefficients[c] == pytest.approx(v * (0.7 if c in PREFILL_COLUMNS else 1.2))
+               for c, v in base.coefficients.items())
+    calibration = fit_clock(timed(today, [1.0] * len(COMPOSITIONS)), base)
+    assert (calibration.factor, calibration.prefill_factor) == (pytest.approx(1.2), pytest.approx(0.7))
+    assert calibration.mape_after == pytest.approx(0.0, abs=1e-9) and calibration.mape_before > 0.05
+    assert calibration.scale(base).coefficients == pytest.approx(dict(today.coefficients))
+    one = fit_clock(timed(today, [1.0] * len(COMPOSITIONS)), base.scaled(1.0, prefill_factor=1.0))
+    assert one.factor == pytest.approx(1.2)                     # a prefill factor of 1 changes nothing
+
+
+def test_without_prefill_work_one_factor_serves_both_and_what_two_cannot_explain_stays():
+    base = load_cost_model("vllm-cpu")
+    decode_only = [s for s in timed(base, [1.5] * len(COMPOSITIONS)) if not s.prefill_chunks]
+    calibration = fit_clock(decode_only, base)
+    assert calibration.factor == calibration.prefill_factor == pytest.approx(1.5)
+    uneven = fit_clock(timed(base, [1.0, 2.0, 1.0, 2.0, 1.0]), base)
+    assert uneven.factor > 0 and uneven.prefill_factor > 0 and uneven.mape_after > 0.05
 
 
 def test_steps_compose_chunks_as_the_simulator_does():
@@ -85,6 +101,8 @@ def test_a_scaled_profile_has_its_capacity_divided_by_the_factor():
 def test_scaled_refuses_a_factor_that_is_not_a_positive_number(factor):
     with pytest.raises(ValueError, match="clock factor"):
         load_cost_model("vllm-cpu").scaled(factor)
+    with pytest.raises(ValueError, match="clock factor"):
+        load_cost_model("vllm-cpu").scaled(1.0, prefill_factor=factor)
 
 
 def test_fit_clock_refuses_steps_without_work_and_an_unknown_clock():

@@ -136,7 +136,8 @@ def test_a_small_live_sweep_reports_every_figure_and_every_request_finishes(caps
     assert report["profile"] == "vllm-cpu" and report["calibrated_profile"].startswith("vllm-cpu@x")
     assert report["calibration_steps"] > 10 and report["clock_factor"] > 0 and report["burst_clock_factor"] > 0
     assert report["calibration_load"] == 1.0 and report["burst_capacity_requests_per_s"] > 0
-    assert report["clock_factor"] == pytest.approx(report["calibration_measured_s"] / report["calibration_predicted_s"])
+    assert report["calibrated_profile"] == (f"vllm-cpu@x{report['clock_factor']:.4g}"
+                                            f"/prefill x{report['clock_prefill_factor']:.4g}")
     assert (report["slo_ttft_s"], report["slo_tpot_s"]) == (10.0, 0.5)                  # the CPU SLO
     assert report["capacity_requests_per_s"] > 0
     assert [entry["load"] for entry in report["loads"]] == list(loads)

@@ -12,7 +12,7 @@ before the next ``schedule()``, and that idle wait is no step's time. Nor is the
 which no ``schedule()`` follows.
 
 :func:`calibrate_clock` serves a trace once with it, every request at once or online (each at
-its arrival time), and fits the cost model's clock factor on the recorded steps.
+its arrival time), and fits the cost model's clock factors on the recorded steps.
 """
 
 from __future__ import annotations

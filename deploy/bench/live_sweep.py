@@ -8,12 +8,13 @@ engine, each load's figures beside the simulator's on the same requests and arri
    budget, ``max_num_seqs``, the admission's waiting bound). Every side serves the workload once,
    all requests at once, untimed (the engine compiles kernels for each new batch shape).
 2. **Clock.** Rounds with vLLM's scheduler time their engine steps and rescale the profile's
-   clock to this machine today (:func:`deploy.bench.clock.calibrate_clock`, one factor). A first
-   round serves every request at once; its factor gives a first capacity. A second round serves
-   the workload online at :data:`CALIBRATION_LOAD` of that capacity, and the factor fitted on
-   its steps is the one used: the steps of a loaded service (many, small) are the ones the loads
-   below run, and the profile's per-step error differs between them and a burst's. Both factors
-   are in the report. Every simulated figure below is the calibrated profile's.
+   clock to this machine today (:func:`deploy.bench.clock.calibrate_clock`: a factor for the
+   prefill terms and one for the rest). A first round serves every request at once; its factors
+   give a first capacity. A second round serves the workload online at :data:`CALIBRATION_LOAD`
+   of that capacity, and the factors fitted on its steps are the ones used: the steps of a loaded
+   service (many, small) are the ones the loads below run, and the profile's per-step error
+   differs between them and a burst's. Both rounds' factors are in the report. Every simulated
+   figure below is the calibrated profile's.
 3. **Capacity and loads.** The workload's capacity is FCFS's on the calibrated profile
    (:func:`feather_gym.load.find_capacity`), so a load of 0.9 is 0.9 of what this machine
    sustains today; at each load the workload is replayed at that fraction of the capacity's
@@ -152,11 +153,11 @@ def live_sweep(workload: str = DEFAULT_WORKLOAD, *, label: str | None = None, lo
     for side, (cls, kwargs) in sides.items():
         run_round(llm, trace, cls, label=f"warm-up {side}", round_index=-1, online=False, **kwargs)
     burst = calibrate_clock(llm, trace, base)
-    first = find_capacity(trace, base.scaled(burst.factor), engine_config)
+    first = find_capacity(trace, burst.scale(base), engine_config)
     calibration = calibrate_clock(llm, at_rate(trace, first.rate_factor * CALIBRATION_LOAD), base, online=True)
-    cost_model = base.scaled(calibration.factor)
-    logger.info("clock factor %.4f on %d online steps (all at once: %.4f)", calibration.factor, calibration.steps,
-                burst.factor)
+    cost_model = calibration.scale(base)
+    logger.info("clock factors %.4f, prefill %.4f on %d online steps (all at once: %.4f, prefill %.4f)",
+                calibration.factor, calibration.prefill_factor, calibration.steps, burst.factor, burst.prefill_factor)
     sim = load_sweep(trace, cost_model, names, loads, slo=slo, config=engine_config, policy_factory=as_deployed)
     capacity = {key: sim[key] for key in ("capacity_rate_factor", "capacity_requests_per_s", "capacity_simulations")}
     report = {"workload": label or workload_label(workload), "spec": workload, "requests": len(trace),
@@ -165,7 +166,8 @@ def live_sweep(workload: str = DEFAULT_WORKLOAD, *, label: str | None = None, lo
               **kv_capacity(llm), "token_budget": engine_config.token_budget,
               "max_num_seqs": engine_config.max_num_seqs, "profile": base.name, "calibrated_profile": cost_model.name,
               **calibration.as_dict(), "calibration_load": CALIBRATION_LOAD,
-              "burst_clock_factor": burst.factor, "burst_calibration_mape_after": burst.mape_after,
+              "burst_clock_factor": burst.factor, "burst_clock_prefill_factor": burst.prefill_factor,
+              "burst_calibration_mape_after": burst.mape_after,
               "burst_capacity_requests_per_s": first.requests_per_s,
               **slo.as_dict(), **capacity, "loads": []}
     for k, load in enumerate(loads):
@@ -197,11 +199,13 @@ def format_live_sweep(report: dict) -> str:
     rows = [f"workload {report['workload']} ({report['requests']} requests), {report['rounds']} live rounds per "
             f"policy and load, SLO TTFT {report['slo_ttft_s']:g} s TPOT {1e3 * report['slo_tpot_s']:g} ms, "
             f"{report['wall_s']:.0f} s",
-            f"clock: {report['profile']} x{report['clock_factor']:.3f}, {report['calibration_steps']} steps online at "
+            f"clock: {report['profile']} x{report['clock_factor']:.3f}, prefill x{report['clock_prefill_factor']:.3f}, "
+            f"{report['calibration_steps']} steps online at "
             f"load {report['calibration_load']:g} ({report['calibration_measured_s']:.1f} s, predicted "
             f"{report['calibration_predicted_s']:.1f} s; step MAPE {100 * report['calibration_mape_before']:.0f}% -> "
             f"{100 * report['calibration_mape_after']:.0f}%)",
-            f"all at once: x{report['burst_clock_factor']:.3f}, FCFS capacity "
+            f"all at once: x{report['burst_clock_factor']:.3f}, prefill x{report['burst_clock_prefill_factor']:.3f}, "
+            "FCFS capacity "
             f"{report['burst_capacity_requests_per_s']:.3g} requests/s",
             f"FCFS capacity on the calibrated profile {report['capacity_requests_per_s']:.3g} requests/s "
             f"({report['capacity_simulations']} simulations)",

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
 
-from .features import COLUMNS, DecodeBatch, step_features
+from .features import COLUMNS, PREFILL_COLUMNS, DecodeBatch, step_features
 from .fit import attention_variants, fit_rows, measurement_rows
 from .profile_io import load_profile, profile_engine
 from .shapes import ModelShape
@@ -116,13 +116,17 @@ class CostModel:
             seconds += self.prefill_s(new, cached) - fixed
         return seconds
 
-    def scaled(self, factor: float) -> CostModel:
-        """This model with every step ``factor`` times as long (all coefficients scaled alike,
-        the composition effects kept): a clock calibration (:mod:`.clock`). Named ``NAME@xFACTOR``."""
-        if not 0 < factor < float("inf"):
-            raise ValueError(f"clock factor must be a positive number, got {factor!r}")
-        return replace(self, name=f"{self.name}@x{factor:.4g}",
-                       coefficients={c: v * factor for c, v in self.coefficients.items()})
+    def scaled(self, factor: float, prefill_factor: float | None = None) -> CostModel:
+        """This model with its coefficients scaled by ``factor``, those of
+        :data:`~.features.PREFILL_COLUMNS` by ``prefill_factor`` when given (the composition
+        effects kept): a clock calibration (:mod:`.clock`). One factor makes every step ``factor``
+        times as long. Named ``NAME@xFACTOR`` (``NAME@xFACTOR/prefill xPREFILL_FACTOR``)."""
+        prefill = factor if prefill_factor is None else prefill_factor
+        if not (0 < factor < float("inf") and 0 < prefill < float("inf")):
+            raise ValueError(f"clock factor must be a positive number, got {factor!r} (prefill {prefill!r})")
+        name = f"{self.name}@x{factor:.4g}" + ("" if prefill_factor is None else f"/prefill x{prefill:.4g}")
+        return replace(self, name=name, coefficients={c: v * (prefill if c in PREFILL_COLUMNS else factor)
+                                                      for c, v in self.coefficients.items()})
 
     def prefill_s(self, new_tokens: int, cached_tokens: int = 0) -> float:
         """Seconds of a prefill-only step of ``new_tokens`` after ``cached_tokens`` cached ones."""
