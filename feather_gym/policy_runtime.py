@@ -39,6 +39,14 @@ PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 NATIVE_PARITY_ATOL = 1e-4
 #: Random observations (uniform over the normalised range) that check it at load.
 NATIVE_PARITY_ROWS = 256
+
+
+def parity_observations(num_features: int) -> np.ndarray:
+    """The :data:`NATIVE_PARITY_ROWS` random observations (float32, seeded, within the
+    observation's clip) on which a compiled copy of a network must give its logits."""
+    from feather_gym.observation import OBS_CLIP
+
+    return np.random.default_rng(0).uniform(0.0, OBS_CLIP, (NATIVE_PARITY_ROWS, num_features)).astype(np.float32)
 #: Gemm attributes (with ONNX's defaults) of a plain dense layer: alpha = beta = 1, A not transposed.
 PLAIN_GEMM = (("alpha", 1.0), ("beta", 1.0), ("transA", 0))
 #: ONNX activations the compiled evaluator runs, by the name it knows them by.
@@ -204,15 +212,13 @@ class OnnxPolicy:
         """The compiled evaluator of this file's network when it is a dense chain that matches
         onnxruntime on :data:`NATIVE_PARITY_ROWS` random observations; None otherwise (logged)."""
         from feather_gym._dense import DenseNet
-        from feather_gym.observation import OBS_CLIP
 
         layers = dense_layers(self.path)
         if layers is None:
             logger.info("policy %s: not a dense chain the compiled evaluator runs; serving on onnxruntime", self.path)
             return None
         network = DenseNet(*layers)
-        rows = np.random.default_rng(0).uniform(0.0, OBS_CLIP, (NATIVE_PARITY_ROWS, self.num_features))
-        rows = rows.astype(np.float32)
+        rows = parity_observations(self.num_features)
         if network.num_inputs != self.num_features or not np.allclose(
                 network.outputs(rows), self.logits(rows), rtol=0.0, atol=NATIVE_PARITY_ATOL, equal_nan=True):
             logger.warning("policy %s: the compiled evaluator disagrees with onnxruntime; serving on onnxruntime",

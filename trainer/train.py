@@ -147,16 +147,14 @@ class NetworkPolicy(Policy):
         from ray.rllib.core.columns import Columns
 
         from feather_gym._dense import DenseNet
-        from feather_gym.observation import OBS_CLIP
-        from feather_gym.policy_runtime import NATIVE_PARITY_ATOL, NATIVE_PARITY_ROWS
+        from feather_gym.policy_runtime import NATIVE_PARITY_ATOL, parity_observations
 
         dense = [layer for part in (module.encoder.actor_encoder, module.pi) for layer in part.modules()
                  if isinstance(layer, torch.nn.Linear)]
         self.network = DenseNet([layer.weight.detach().numpy() for layer in dense],
                                 [layer.bias.detach().numpy() for layer in dense], "tanh")
         self.num_candidates = self.network.num_outputs - 1
-        rows = np.random.default_rng(0).uniform(0.0, OBS_CLIP, (NATIVE_PARITY_ROWS, self.network.num_inputs))
-        rows = rows.astype(np.float32)
+        rows = parity_observations(self.network.num_inputs)
         with torch.no_grad():
             logits = module.forward_inference({Columns.OBS: torch.from_numpy(rows)})[Columns.ACTION_DIST_INPUTS]
         if not np.allclose(self.network.outputs(rows), logits.numpy(), rtol=0.0, atol=NATIVE_PARITY_ATOL):

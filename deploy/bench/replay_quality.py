@@ -223,8 +223,9 @@ def replay_quality(*, model: str = "remember", lengths: list[int], methods: list
 
     if not (methods and replay_tokens):
         raise ValueError("name at least one method and one replay length")
-    for method in methods:
-        method_settings(method, 1, [])                       # unknown names fail before the engine starts
+    unknown = sorted(set(methods) - set(METHODS))
+    if unknown:                                             # before the engine starts
+        raise ValueError(f"unknown methods {unknown}; choose from {sorted(METHODS)}")
     started = time.perf_counter()
     kind, folder = resolve_model(model)
     model_dir = str(folder if kind is None else ensure_hybrid_hf(kind))

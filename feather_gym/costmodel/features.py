@@ -34,10 +34,9 @@ from dataclasses import dataclass
 
 from .shapes import ModelShape
 
-COLUMNS = ("fixed", "tokens", "prefix_passes", "kv_dram_bytes", "kv_hit_bytes", "attn_flops",
-           "prefill_tokens", "prefill_attn_flops")
 #: The columns that price prefill work (a clock calibration may scale them apart, :mod:`.clock`).
 PREFILL_COLUMNS = ("prefill_tokens", "prefill_attn_flops")
+COLUMNS = ("fixed", "tokens", "prefix_passes", "kv_dram_bytes", "kv_hit_bytes", "attn_flops", *PREFILL_COLUMNS)
 
 
 @dataclass(frozen=True, slots=True)
