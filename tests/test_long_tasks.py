@@ -121,11 +121,11 @@ def test_the_remembering_config_has_one_attention_layer_and_trains_to_4k():
     assert spec.layer_types.count("full_attention") == 1 and len(spec.layer_types) == spec.num_layers
     assert settings.curriculum[-1].length >= 4096 and max(settings.recall_lengths) >= 4096
     assert all(dict(stage.task_mix).keys() <= set(lt.TRAINING_TASKS) for stage in settings.curriculum)
-    assert settings.gate_dt_range is not None and settings.recall_init
+    assert settings.gate_dt_range is not None and settings.recall_start
     config = spec.config(1000)
     assert config.model_type == "qwen3_next" and config.max_position_embeddings >= 4096
     trained = SPECS["trained"][1]                   # the benchmarks' model: plain text, transformers' gates
-    assert trained.gate_dt_range is None and not trained.recall_init
+    assert trained.gate_dt_range is None and not trained.recall_start
     assert trained.curriculum[0].task_mix == (("text", 1.0),)
 
 
@@ -141,33 +141,6 @@ def test_gate_initialization_spans_the_time_step_range():
     dt = torch.cat([torch.nn.functional.softplus(m.dt_bias.detach()) for m in model.modules() if hasattr(m, "dt_bias")])
     assert dt.numel() == 3 * spec.linear_value_heads
     assert float(dt.min()) >= 1e-3 * 0.999 and float(dt.max()) <= 1e-1 * 1.001
-
-
-def test_the_recall_start_ties_keys_to_queries_and_shifts_keys_by_one_token():
-    import torch
-    from transformers import Qwen3NextForCausalLM
-    from transformers.models.qwen3_next.modeling_qwen3_next import causal_conv1d_fn
-
-    from feather_gym.hybrid.training import init_recall_circuit
-
-    spec, _ = SPECS["remember"]
-    model = Qwen3NextForCausalLM(spec.config(100))
-    init_recall_circuit(model)
-    gdn = [m for m in model.modules() if hasattr(m, "in_proj_qkvz")]
-    assert len(gdn) == spec.layer_types.count("linear_attention")
-    x = torch.randn(1, 12, spec.hidden_size, generator=torch.Generator().manual_seed(0))
-    silu = torch.nn.functional.silu
-    for module in gdn:
-        q, k, v, *_ = module.fix_query_key_value_ordering(module.in_proj_qkvz(x), module.in_proj_ba(x))
-        torch.testing.assert_close(k, q)
-        mixed = torch.cat([t.reshape(1, 12, -1) for t in (q, k, v)], -1)
-        out = causal_conv1d_fn(mixed.transpose(1, 2), module.conv1d.weight.squeeze(1), module.conv1d.bias,
-                               activation="silu").transpose(1, 2)
-        keys = slice(module.key_dim, 2 * module.key_dim)
-        torch.testing.assert_close(out[:, :, :module.key_dim], silu(mixed[:, :, :module.key_dim]))   # queries: now
-        torch.testing.assert_close(out[:, 1:, keys], silu(mixed[:, :-1, keys]))                      # keys: before
-        torch.testing.assert_close(out[:, :, 2 * module.key_dim:], silu(mixed[:, :, 2 * module.key_dim:]))
-        assert torch.all(module.A_log == 0)
 
 
 def test_the_training_scan_matches_transformers_chunked_gated_delta_rule():

@@ -23,7 +23,7 @@ Folders. :func:`ensure_hybrid_hf` returns a folder holding the ``COMPLETE`` mark
 ``training_report.json`` (held-out perplexity, steps, tokens, minutes; needle accuracy by task
 and length and the gates' memory per layer and head, :mod:`feather_gym.hybrid.recall`),
 building it when absent. ``kind="trained"`` is the model of the benchmarks, ``kind="remember"``
-the attempt at one whose exact model retrieves needles thousands of tokens back (see
+one whose exact model retrieves needles thousands of tokens back (see
 :data:`SPECS`), ``kind="tiny"`` a smaller config trained for seconds, for tests on a clean
 machine. All use the same code path; the build is seeded (a run that ends at ``max_steps``
 before its CPU budget is reproducible) and reads nothing from the network.
@@ -45,11 +45,11 @@ from feather_gym.build_lock import build_lock
 from feather_gym.hybrid.gdn_scan import faster_gdn_backward
 from feather_gym.hybrid.long_tasks import task_token_ids
 from feather_gym.hybrid.recall import gate_memory_spectrum, recall_accuracy
+from feather_gym.hybrid.recall_start import attention_recall_start
 from feather_gym.hybrid.training import (
     Stage,
     TrainSettings,
     init_gate_memory,
-    init_recall_circuit,
     training_batch,
     weighted_loss,
 )
@@ -113,20 +113,21 @@ def heldout_start(num_tokens: int, fraction: float = TrainSettings.heldout_fract
 
 
 #: The models: the benchmarks' (``trained``: 8 layers, 6 GDN + 2 attention, plain text,
-#: transformers' gate initialization; its gates forget within tens of tokens), the attempt at one
-#: that remembers (``remember``: 4 layers, 3 GDN + 1 attention, long-memory gates, the long-range
-#: tasks and a length curriculum to 4,096 tokens) and the tests' stand-in (``tiny``).
+#: transformers' gate initialization; its gates forget within tens of tokens), one whose exact
+#: model retrieves needles thousands of tokens back (``remember``: 4 layers, 3 GDN + 1 attention,
+#: the long-range tasks and a length curriculum to 4,096 tokens, recall started in the attention
+#: layer, GDN gates with time steps from 0.01 to 2) and the tests' stand-in (``tiny``).
 _TASKS = (("kv", 0.35), ("passkey", 0.15), ("copy", 0.2), ("text", 0.3))
 SPECS = {
     "trained": (HybridSpec("qwen3next-hybrid-8l"), TrainSettings()),
-    "remember": (HybridSpec("qwen3next-hybrid-remember-4l", num_layers=4, attention_every=3, hidden_size=128,
+    "remember": (HybridSpec("qwen3next-hybrid-remember-attn-4l", num_layers=4, attention_every=3, hidden_size=128,
                            expert_size=128, attention_heads=2, kv_heads=1, linear_key_heads=2, linear_value_heads=4),
                 TrainSettings(curriculum=(Stage(0.0, 128, 16, (("copy", 0.6), ("kv", 0.25), ("passkey", 0.15))),
                                           Stage(0.4, 256, 8, _TASKS), Stage(0.55, 512, 4, _TASKS),
                                           Stage(0.7, 1024, 2, _TASKS), Stage(0.8, 2048, 2, _TASKS),
                                           Stage(0.9, 4096, 1, _TASKS)),
-                              answer_weight=5.0, text_loss_fraction=0.2, gate_dt_range=(1e-3, 1e-1), recall_init=True,
-                              warmup_steps=20, max_steps=1500, max_cpu_minutes=30.0,
+                              answer_weight=5.0, text_loss_fraction=0.2, gate_dt_range=(0.01, 2.0),
+                              recall_start=True, lr=3e-4, warmup_steps=100, max_steps=1500, max_cpu_minutes=30.0,
                               recall_lengths=(1024, 2048, 4096), recall_samples=16, threads=1)),
     "tiny": (HybridSpec("qwen3next-hybrid-tiny", num_layers=4, hidden_size=128, expert_size=128,
                         attention_heads=2, kv_heads=1, linear_key_heads=2, linear_value_heads=4),
@@ -169,8 +170,10 @@ def train_hybrid(spec: HybridSpec, settings: TrainSettings, target: Path, *, log
     model = Qwen3NextForCausalLM(spec.config(int(vocab.size)))
     if settings.gate_dt_range is not None:
         init_gate_memory(model, settings.gate_dt_range, torch.Generator().manual_seed(settings.seed))
-    if settings.recall_init:
-        init_recall_circuit(model)
+    if settings.recall_start:
+        fit_rng = np.random.default_rng(settings.seed + 1)     # its own draws: training's stay as they were
+        fit_ids = np.concatenate([training_batch(settings, train_ids, encode, fit_rng, 0.0)[0] for _ in range(4)])
+        attention_recall_start(model, torch.from_numpy(np.searchsorted(vocab, fit_ids)))
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=0.01, betas=(0.9, 0.95))
     rng = np.random.default_rng(settings.seed)
     start, cpu_start = time.perf_counter(), time.process_time()

@@ -10,9 +10,8 @@
 * :func:`init_gate_memory`: Gated DeltaNet gates whose decay spans short to long memories
   (Mamba's time-step initialization) instead of transformers' default, which forgets within a
   few tokens.
-* :func:`init_recall_circuit`: a mimetic start for in-context recall (keys tied to queries, the
-  short convolution shifting keys by one token), so that training refines an induction circuit
-  instead of having to find one.
+* ``recall_start``: :func:`feather_gym.hybrid.recall_start.attention_recall_start`, an induction
+  circuit in the attention layer, so that training refines one instead of having to find one.
 """
 
 from __future__ import annotations
@@ -47,8 +46,8 @@ class TrainSettings:
     time, so what a run learns does not depend on other work sharing the machine; with one
     thread on an idle machine the two agree.
     ``gate_dt_range`` is the (low, high) range of the gates' initial time step, log-uniform per
-    head (``None`` keeps transformers' initialization); ``recall_init`` starts the GDN modules
-    from :func:`init_recall_circuit`. ``recall_lengths`` and
+    head (``None`` keeps transformers' initialization); ``recall_start`` starts the model from
+    :func:`feather_gym.hybrid.recall_start.attention_recall_start`. ``recall_lengths`` and
     ``recall_samples`` size the recall measurement of the report (none when empty).
     """
 
@@ -56,7 +55,7 @@ class TrainSettings:
     answer_weight: float = 1.0
     text_loss_fraction: float = 1.0
     gate_dt_range: tuple[float, float] | None = None
-    recall_init: bool = False
+    recall_start: bool = False
     lr: float = 3e-3
     warmup_steps: int = 20
     max_steps: int = 400
@@ -129,31 +128,3 @@ def init_gate_memory(model, dt_range: tuple[float, float], generator) -> None:
                 u = torch.rand(module.dt_bias.shape, generator=generator)
                 dt = torch.exp(u * (math.log(high) - math.log(low)) + math.log(low))
                 module.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))     # inverse softplus
-
-
-def init_recall_circuit(model) -> None:
-    """A mimetic start for in-context recall in every GDN module: each key head's projection
-    equals its query head's, and the short convolution passes queries and values at the current
-    token and keys at the previous one. At initialization a query for token ``x`` then matches
-    the keys written one token after earlier occurrences of ``x`` and reads their values (the
-    induction pattern of copying and key-value retrieval), which training otherwise has to
-    discover from a random start. ``A_log`` is set to 0, so each head's memory is that of its
-    time step (:func:`init_gate_memory`)."""
-    import torch
-
-    with torch.no_grad():
-        for module in model.modules():
-            if not (hasattr(module, "in_proj_qkvz") and hasattr(module, "conv1d")):
-                continue
-            dk, key_dim, kernel = module.head_k_dim, module.key_dim, module.conv_kernel_size
-            group = module.in_proj_qkvz.out_features // module.num_k_heads     # q, k, v, z rows of one key head
-            weight = module.in_proj_qkvz.weight
-            for head in range(module.num_k_heads):
-                base = head * group
-                weight[base + dk:base + 2 * dk] = weight[base:base + dk]
-            conv = torch.zeros_like(module.conv1d.weight)                      # [channels, 1, kernel], last tap = now
-            conv[:key_dim, 0, kernel - 1] = 1.0                                # queries: this token
-            conv[key_dim:2 * key_dim, 0, kernel - 2] = 1.0                     # keys: the previous token
-            conv[2 * key_dim:, 0, kernel - 1] = 1.0                            # values: this token
-            module.conv1d.weight.copy_(conv)
-            module.A_log.zero_()
