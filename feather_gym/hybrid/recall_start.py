@@ -44,9 +44,9 @@ RIDGE = 1e-3
 
 
 def attention_recall_start(model, batch_ids) -> None:
-    """The start of the module docstring; ``batch_ids`` (``[batch, length]`` token ids
-    of the model's vocabulary, text with the tasks in it) is what the attention's keys and output
-    are fitted on. ``ValueError`` unless layer 0 is GDN and a full-attention layer follows."""
+    """Start ``model`` as the module docstring says, in place; ``batch_ids`` (``[batch, length]``
+    token ids of the model's vocabulary, text with the tasks in it) is what the attention's keys
+    and output are fitted on. ``ValueError`` unless layer 0 is GDN and a full-attention layer follows."""
     import torch
 
     types = list(model.config.layer_types)
@@ -68,7 +68,6 @@ def attention_recall_start(model, batch_ids) -> None:
                 layers[index].linear_attn.out_proj.weight.mul_(QUIET_SCALE)
         model.model.norm.weight.fill_(LOGIT_GAIN - 1)                          # Qwen3-Next norms scale by 1 + weight
         _fit_induction_attention(model, layers[attention_at].self_attn, batch_ids)
-
 
 
 def _gdn_modules(model):
