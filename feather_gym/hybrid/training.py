@@ -43,8 +43,9 @@ class TrainSettings:
     progress, the larger of the step fraction and the fraction of ``max_cpu_minutes`` spent, so
     a run cut short by the budget still ends at a low rate; the curriculum stage follows the same
     progress. The budget counts the training process's CPU time (all its threads), not wall
-    time, so what a run learns does not depend on other work sharing the machine; with one
-    thread on an idle machine the two agree.
+    time, so other work sharing the machine shortens a run less than it would by the clock (it
+    still slows each step, so a run beside other work may end on the budget before
+    ``max_steps``); with one thread on an idle machine the two agree.
     ``gate_dt_range`` is the (low, high) range of the gates' initial time step, log-uniform per
     head (``None`` keeps transformers' initialization); ``recall_start`` starts the model from
     :func:`feather_gym.hybrid.recall_start.attention_recall_start`. ``recall_lengths`` and
