@@ -25,9 +25,9 @@ and length and the gates' memory per layer and head, :mod:`feather_gym.hybrid.re
 building it when absent. ``kind="trained"`` is the model of the benchmarks, ``kind="remember"``
 one whose exact model retrieves needles thousands of tokens back (see
 :data:`SPECS`), ``kind="tiny"`` a smaller config trained for seconds, for tests on a clean
-machine. All use the same code path; the build is seeded (two runs draw the same batches
-from the same start, but floating-point results differ between runs, so two builds' weights,
-and their figures, are close rather than equal) and reads nothing from the network.
+machine. All use the same code path; the build is seeded (the same start and the same
+data draws, but floating-point results differ between runs and the CPU budget depends on the
+machine's load, so two builds' weights and figures are close rather than equal) and reads nothing from the network.
 """
 
 from __future__ import annotations
