@@ -49,6 +49,8 @@ def attention_recall_start(model, batch_ids) -> None:
     and output are fitted on. ``ValueError`` unless layer 0 is GDN and a full-attention layer follows."""
     import torch
 
+    from feather_gym.hybrid.suffix_replay import gdn_modules
+
     types = list(model.config.layer_types)
     if types[0] != "linear_attention" or "full_attention" not in types:
         raise ValueError(f"the attention recall start needs a GDN layer 0 and a full-attention layer after it: {types}")
@@ -59,7 +61,7 @@ def attention_recall_start(model, batch_ids) -> None:
         half = embedding.shape[1] // 2
         embedding[:, half:] = 0
         embedding[:, 0] = CONSTANT_CHANNEL
-        for module in _gdn_modules(model):
+        for module in gdn_modules(model).values():
             module.A_log.zero_()
         _previous_token_layer(layers[0].linear_attn, half)
         for index in range(attention_at):
@@ -68,10 +70,6 @@ def attention_recall_start(model, batch_ids) -> None:
                 layers[index].linear_attn.out_proj.weight.mul_(QUIET_SCALE)
         model.model.norm.weight.fill_(LOGIT_GAIN - 1)                          # Qwen3-Next norms scale by 1 + weight
         _fit_induction_attention(model, layers[attention_at].self_attn, batch_ids)
-
-
-def _gdn_modules(model):
-    return [m for m in model.modules() if hasattr(m, "in_proj_qkvz") and hasattr(m, "conv1d")]
 
 
 def _tie_keys_to_queries(module) -> None:
