@@ -78,22 +78,33 @@ def load_sweep(trace, cost_model, policy_names: list[str], loads: list[float], *
 
     ``policy_factory(name)`` makes a fresh policy per run (default :func:`~feather_gym.policies.make_policy`;
     the live sweep passes the policies as deployed)."""
-    from feather_gym.policies import make_policy
-    from feather_gym.simulator import EngineConfig, simulate, trace_digests
+    from feather_gym.simulator import EngineConfig, trace_digests
 
     config = config or EngineConfig()
     digests = trace_digests(trace, config.block_size or cost_model.block_size)
     capacity = find_capacity(trace, cost_model, config, digests=digests)
     rows = []
     for load in map(check_load, loads):
-        loaded = at_load(trace, capacity, load)
-        for name in policy_names:
-            result = simulate(loaded, cost_model, (policy_factory or make_policy)(name), config=config,
-                              digests=digests)
-            metrics = result.metrics()
-            rows.append({"load": load, "policy": name, "arrival_rate_req_s": capacity.requests_per_s * load,
-                         **metrics, **latency_and_goodput(result, slo, metrics["makespan_s"])})
+        for row in simulate_policies(at_load(trace, capacity, load), cost_model, policy_names, slo=slo, config=config,
+                                     digests=digests, policy_factory=policy_factory):
+            rows.append({"load": load, "arrival_rate_req_s": capacity.requests_per_s * load, **row})
     return {"requests": len(trace), "profile": cost_model.name, **capacity.as_dict(), **slo.as_dict(), "rows": rows}
+
+
+def simulate_policies(trace, cost_model, policy_names: list[str], *, slo: SLO, config=None, digests=None,
+                      policy_factory=None) -> list[dict]:
+    """One row per policy of ``trace`` served as it arrives: ``SimResult.metrics()`` and
+    :func:`latency_and_goodput` (``policy_factory`` as in :func:`load_sweep`)."""
+    from feather_gym.policies import make_policy
+    from feather_gym.simulator import EngineConfig, simulate
+
+    rows = []
+    for name in policy_names:
+        result = simulate(trace, cost_model, (policy_factory or make_policy)(name), config=config or EngineConfig(),
+                          digests=digests)
+        metrics = result.metrics()
+        rows.append({"policy": name, **metrics, **latency_and_goodput(result, slo, metrics["makespan_s"])})
+    return rows
 
 
 def policy_label(name: str) -> str:

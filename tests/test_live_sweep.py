@@ -54,6 +54,25 @@ def test_one_load_compares_the_same_figures_and_ranks_by_goodput():
     assert tied["same_ranking"] and tied["policies"]["fcfs"]["goodput_live_over_sim"] is None
 
 
+def test_a_load_meets_the_live_target_only_ranked_alike_with_every_goodput_within_ten_percent():
+    def compared(live_fcfs: float, live_rule: float) -> dict:
+        return compare_load({"fcfs": sim_row(2.0, "fcfs"), "feather-rule": sim_row(2.5)},
+                            {"fcfs": live_side(live_fcfs), "feather-rule": live_side(live_rule)})
+
+    assert compared(1.81, 2.74)["meets_live_target"]                  # 0.905 and 1.096 of simulated
+    assert not compared(1.79, 2.5)["meets_live_target"]               # fcfs 0.895: too far
+    assert not compared(2.0, 2.76)["meets_live_target"]               # the rule 1.104: too far
+    swapped = compare_load({"fcfs": sim_row(2.0, "fcfs"), "feather-rule": sim_row(2.1)},   # each within 10%,
+                           {"fcfs": live_side(2.1), "feather-rule": live_side(2.0)})        # the order reversed
+    assert not swapped["same_ranking"] and not swapped["meets_live_target"]
+    # A simulated tie with live goodputs far apart: the ranking makes no claim, the ratio does.
+    tied = compare_load({"fcfs": sim_row(2.0, "fcfs"), "feather-rule": sim_row(2.0)},
+                        {"fcfs": live_side(1.4), "feather-rule": live_side(2.0)})
+    assert tied["same_ranking"] and not tied["meets_live_target"]
+    assert not compare_load({"fcfs": sim_row(0.0, "fcfs"), "feather-rule": sim_row(2.5)},
+                            {"fcfs": live_side(0.0), "feather-rule": live_side(2.5)})["meets_live_target"]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["bench", "serve"], "--policies is required"),
     (["bench", "serve", "--policies", "feather-rule", "--slo", "ttft=1s"], "give --loads"),
@@ -160,3 +179,17 @@ def test_a_small_live_sweep_reports_every_figure_and_every_request_finishes(caps
             assert sides["goodput_live_over_sim"] == pytest.approx(
                 sides["live"]["goodput_req_s"] / sides["sim"]["goodput_req_s"])
     assert report["loads_same_ranking"] == sum(entry["same_ranking"] for entry in report["loads"])
+    for entry in report["loads"]:                  # the clock fitted again on each load's live FCFS steps
+        clock, refit = entry["load_clock"], entry["at_load_clock"]
+        assert clock["calibration_steps"] > 0 and clock["clock_factor"] > 0 and clock["clock_prefill_factor"] > 0
+        assert clock["calibration_measured_s"] > 0 and 0 <= clock["calibration_mape_after"]
+        for name in report["policies"]:
+            same, other = entry["policies"][name], refit["policies"][name]
+            assert other["live"] == same["live"]                           # the same live rounds
+            assert (other["sim"]["requests_finished"], other["sim"]["requests_lost"]) == (8, 0)
+            assert other["goodput_live_over_sim"] == pytest.approx(
+                other["live"]["goodput_req_s"] / other["sim"]["goodput_req_s"])
+        assert isinstance(refit["meets_live_target"], bool)
+    for key in ("same_ranking", "meets_live_target"):
+        assert report[f"loads_{key}"] == sum(entry[key] for entry in report["loads"])
+        assert report[f"loads_{key}_at_load_clock"] == sum(entry["at_load_clock"][key] for entry in report["loads"])

@@ -24,6 +24,15 @@ engine, each load's figures beside the simulator's on the same requests and arri
    (:func:`deploy.bench.validate.as_deployed`). Live, each load runs ``rounds`` rounds per side
    in rotated order (:func:`deploy.bench.harness.run_schedulers`).
 
+5. **The clock at each load.** The machine's speed drifts within a sweep, and past capacity goodput
+   falls steeply with any shortfall of it. So vLLM's scheduler runs timed at every load
+   (:class:`~deploy.bench.clock.StepTimedScheduler`, which schedules exactly as vLLM's), the clock
+   is fitted again on that load's live FCFS steps, and every policy is simulated once more on the
+   same arrivals with it (``at_load_clock``). The first comparison is the forecast the loads were
+   set by; the second separates the simulator's scheduling from the machine's drift since
+   calibration. A load meets the live target (``meets_live_target``) when its rankings agree and
+   every policy's goodput is within :data:`GOODPUT_TOLERANCE` of the simulated one.
+
 Per load and policy, on both sides (:data:`FIGURES`): output tokens/s, TTFT p50/p99, TPOT p50/p99,
 goodput under the SLO (requests meeting TTFT and TPOT per second of makespan, live: of wall time
 summed over the rounds) and the share meeting it, engine steps (live: the mean per round) and the
@@ -56,6 +65,8 @@ DEFAULT_POLICIES = ("feather-rule",)
 DEFAULT_ROUNDS = 2
 #: The load (of the burst-calibrated capacity) of the online round that fits the clock.
 CALIBRATION_LOAD = 1.0
+#: How far a policy's live goodput may be from the simulated one (relative) for a load to meet the live target.
+GOODPUT_TOLERANCE = 0.10
 #: Figures of each side per load and policy (keys of both).
 FIGURES = ("throughput_tok_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_ms", "tpot_p99_ms", "goodput_req_s",
            "slo_met_fraction", "steps", "step_ms_mean", "decisions", "forced_wait_admissions",
@@ -93,10 +104,13 @@ def compare_load(sim_rows: dict[str, dict], live_sides: dict[str, dict]) -> dict
         policies[name] = {"sim": sim, "live": live, "goodput_live_over_sim": ratio,
                           "live_scheduler_cpu_us_per_step": scheduler_cpu_us_per_step(live_sides[name])}
     goodput = {side: {name: p[side]["goodput_req_s"] for name, p in policies.items()} for side in ("sim", "live")}
+    ranked = same_ranking(goodput["sim"], goodput["live"])
+    close = all(p["goodput_live_over_sim"] is not None and abs(p["goodput_live_over_sim"] - 1) <= GOODPUT_TOLERANCE
+                for p in policies.values())
     return {"policies": policies,
             "sim_ranking": sorted(goodput["sim"], key=lambda n: -goodput["sim"][n]),
             "live_ranking": sorted(goodput["live"], key=lambda n: -goodput["live"][n]),
-            "same_ranking": same_ranking(goodput["sim"], goodput["live"])}
+            "same_ranking": ranked, "meets_live_target": ranked and close}
 
 
 def ranking_text(goodput: dict[str, float]) -> str:
@@ -122,13 +136,15 @@ def live_sweep(workload: str = DEFAULT_WORKLOAD, *, label: str | None = None, lo
     name in the table, by default its :func:`~traces.workload.workload_label`). ``policies``: the
     Feather policies beside ``fcfs`` (vLLM's scheduler, always first); ``slo``: a
     :class:`feather_gym.sweep.SLO`, by default the profile device's (:data:`feather_gym.sweep.DEFAULT_SLOS`)."""
-    from deploy.bench.clock import calibrate_clock
+    from deploy.bench.clock import StepTimedScheduler, calibrate_clock
     from deploy.bench.harness import DEFAULT_BENCH_KV_CACHE_GIB, clip_lengths, run_schedulers
     from deploy.bench.validate import as_deployed, as_served, live_sides, simulated_engine
     from deploy.engine_rounds import kv_capacity, run_round
     from feather_gym.costmodel import hardware_profile, load_cost_model
+    from feather_gym.costmodel.clock import fit_clock
     from feather_gym.load import check_load, find_capacity
-    from feather_gym.sweep import DEFAULT_SLOS, load_sweep
+    from feather_gym.simulator import trace_digests
+    from feather_gym.sweep import DEFAULT_SLOS, load_sweep, simulate_policies
     from feather_gym.vllm_engine import resolve_kv_cache_gib, start_engine
     from traces import resolve_workload
     from traces.rate import at_rate
@@ -159,6 +175,7 @@ def live_sweep(workload: str = DEFAULT_WORKLOAD, *, label: str | None = None, lo
     logger.info("clock factors %.4f, prefill %.4f on %d online steps (all at once: %.4f, prefill %.4f)",
                 calibration.factor, calibration.prefill_factor, calibration.steps, burst.factor, burst.prefill_factor)
     sim = load_sweep(trace, cost_model, names, loads, slo=slo, config=engine_config, policy_factory=as_deployed)
+    digests = trace_digests(trace, engine_config.block_size)
     capacity = {key: sim[key] for key in ("capacity_rate_factor", "capacity_requests_per_s", "capacity_simulations")}
     report = {"workload": label or workload_label(workload), "spec": workload, "requests": len(trace),
               "model": "SmolLM2-135M-Instruct", "dtype": dtype,
@@ -174,13 +191,22 @@ def live_sweep(workload: str = DEFAULT_WORKLOAD, *, label: str | None = None, lo
         loaded = at_rate(trace, capacity["capacity_rate_factor"] * load)     # load_sweep's at_load
         logger.info("load %g: %.3g requests/s over %.1f s", load, capacity["capacity_requests_per_s"] * load,
                     loaded.duration_s)
-        live = run_schedulers(llm, loaded, sides, rounds=rounds, online=True, warm_up=False, rotation=k, slo=slo,
+        fcfs_steps: list = []
+        timed = {**sides, "fcfs": (StepTimedScheduler, {"timed_steps": fcfs_steps})}
+        live = run_schedulers(llm, loaded, timed, rounds=rounds, online=True, warm_up=False, rotation=k, slo=slo,
                               timeout_s=timeout_s)
         rows = {row["policy"]: row for row in sim["rows"] if row["load"] == load}
+        load_clock = fit_clock(fcfs_steps, base, clock="wall")
+        refit_rows = simulate_policies(loaded, load_clock.scale(base), names, slo=slo, config=engine_config,
+                                       digests=digests, policy_factory=as_deployed)
         report["loads"].append({"load": load, "arrival_rate_req_s": capacity["capacity_requests_per_s"] * load,
                                 "arrival_span_s": loaded.duration_s, "live_order": live["order"],
-                                **compare_load(rows, live["sides"])})
-    report["loads_same_ranking"] = sum(entry["same_ranking"] for entry in report["loads"])
+                                **compare_load(rows, live["sides"]), "load_clock": load_clock.as_dict(),
+                                "at_load_clock": compare_load({row["policy"]: row for row in refit_rows},
+                                                              live["sides"])})
+    for key in ("same_ranking", "meets_live_target"):
+        report[f"loads_{key}"] = sum(entry[key] for entry in report["loads"])
+        report[f"loads_{key}_at_load_clock"] = sum(entry["at_load_clock"][key] for entry in report["loads"])
     report["load_average_1min_start"], report["load_average_1min_end"] = load_start, os.getloadavg()[0]
     report["wall_s"] = round(time.perf_counter() - started, 1)
     return report
@@ -226,4 +252,20 @@ def format_live_sweep(report: dict) -> str:
         rows.append(f"load {entry['load']:g} ({entry['arrival_rate_req_s']:.3g} requests/s): goodput ranking sim "
                     f"{ranking_text(goodput['sim'])}, live {ranking_text(goodput['live'])}: "
                     f"{'agree' if entry['same_ranking'] else 'DISAGREE'}")
+        rows.append(_target_text(entry))
+        clock, refit = entry["load_clock"], entry["at_load_clock"]
+        refit_goodput = {name: p["sim"]["goodput_req_s"] for name, p in refit["policies"].items()}
+        rows.append(f"  at its FCFS steps' clock (x{clock['clock_factor']:.3f}, "
+                    f"prefill x{clock['clock_prefill_factor']:.3f}, {clock['calibration_steps']} steps): "
+                    f"sim {ranking_text(refit_goodput)}: "
+                    f"{'agree' if refit['same_ranking'] else 'DISAGREE'}")
+        rows.append("  " + _target_text(refit))
     return "\n".join(rows)
+
+
+def _target_text(comparison: dict) -> str:
+    """One load's goodput live / simulated per policy, and whether it meets the live target."""
+    ratios = ", ".join(f"{name[-13:]} " + ("-" if p["goodput_live_over_sim"] is None else
+                                          f"{p['goodput_live_over_sim']:.2f}")
+                       for name, p in comparison["policies"].items())
+    return f"  goodput live/sim {ratios}: target {'met' if comparison['meets_live_target'] else 'MISSED'}"
