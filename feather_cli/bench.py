@@ -458,7 +458,7 @@ def bench_policy_command(args) -> int:
 
 
 def bench_headroom_command(args) -> int:
-    from feather_gym.policies import SIMULATOR_ONLY
+    from feather_gym.policies import PLAYOUT_REFERENCES
     from trainer.config import TrainConfig
     from trainer.headroom import format_headroom, headroom
 
@@ -469,5 +469,5 @@ def bench_headroom_command(args) -> int:
     start = time.perf_counter()
     report = headroom(config, seeds=args.seeds, policy_path=policy)
     report["elapsed_s"] = time.perf_counter() - start
-    labels = [name.replace("-", "_") for name in SIMULATOR_ONLY] + (["policy"] if policy else [])
+    labels = [name.replace("-", "_") for name in PLAYOUT_REFERENCES] + (["policy"] if policy else [])
     return print_report(format_headroom(report, labels), report, as_json=args.json)

@@ -36,6 +36,12 @@ rule-playout    CHTOrder, k = 4   plays every action out on a copy of the simula
 rule-playout-   CHTOrder, k = 4   the same on 4 futures whose output lengths are drawn from
 sampled                           the trace's distribution given what each request emitted:
                                   no foresight of lengths; simulator-only
+rule-playout-   CHTOrder, k = 4   ``rule-playout`` taking the action whose playout has the most
+goodput                           requests within the device's default SLO; simulator-only and
+                                  clairvoyant
+rule-resident-  ResidentFirst-    the rule on the first of the CHT's 4 best groups' candidates
+first           Order             reordered by KV residency (:class:`ResidentFirstRule`);
+                                  simulator-only
 PATH.onnx       CHTOrder, its k   a trained policy's greedy action on the observation
 ==============  ================  ============================================================
 
@@ -50,7 +56,16 @@ from abc import ABC, abstractmethod
 import numpy as np
 
 from feather_gym.observation import ADD, DEFAULT_NUM_CANDIDATES, FEATURE_INDEX, STOP
-from feather_gym.orderings import CHTOrder, DFSWeightOrder, FCFSOrder, GroupOrder, HRRNOrder, LPMOrder, WaitingOrder
+from feather_gym.orderings import (
+    CHTOrder,
+    DFSWeightOrder,
+    FCFSOrder,
+    GroupOrder,
+    HRRNOrder,
+    LPMOrder,
+    ResidentFirstOrder,
+    WaitingOrder,
+)
 
 #: Waiting-time bound of the admission, in engine steps, in the simulator and in the deployed
 #: scheduler alike: the earliest-arrived waiting request is admitted, unasked, once this many
@@ -161,6 +176,18 @@ class FeatherRule(Policy):
         return ADD if point.batch_size < self.floor else STOP
 
 
+class ResidentFirstRule(FeatherRule):
+    """The Feather rule deciding on :class:`~feather_gym.orderings.ResidentFirstOrder`'s candidates:
+    what the rule would gain if the scheduler saw which prefixes the KV cache still holds (LPM's
+    information), which the observation and the CHT do not. A reference for the policy class,
+    not a policy to deploy."""
+
+    name = "rule-resident-first"
+
+    def make_order(self) -> WaitingOrder:
+        return ResidentFirstOrder()
+
+
 def hrrn() -> AlwaysAdd:
     """SGLang's HRRN as a baseline: admits whatever :class:`~feather_gym.orderings.HRRNOrder`
     proposes, the starvation-free answer of a cache-aware order (LPM, DFS-weight) to tail latency.
@@ -246,6 +273,11 @@ class RulePlayout(Policy):
     playout finishes the run soonest is taken (the rule's own unless another finishes sooner by
     more than a relative ``1e-9``).
 
+    ``objective="goodput"`` (``rule-playout-goodput``) takes instead the action whose playout has
+    the most requests meeting the SLO of the profile's device
+    (:data:`feather_gym.sweep.DEFAULT_SLOS`), the rule's own unless another has more: the same
+    bound for goodput, where below capacity every action finishes with the last arrival.
+
     With ``samples=None`` (``rule-playout``) the playouts run the trace's true output lengths:
     exact, and clairvoyant, so a bound on what one step of improving the rule is worth. With
     ``samples=S`` (``rule-playout-sampled``) each action is played out on ``S`` futures whose
@@ -256,27 +288,47 @@ class RulePlayout(Policy):
     deployable, never a target. They cost about ``decisions x (k + 1) x max(S, 1)`` playouts
     per run. Stateless."""
 
-    def __init__(self, samples: int | None = None) -> None:
+    def __init__(self, samples: int | None = None, objective: str = "finish") -> None:
         if samples is not None and samples < 1:
             raise ValueError(f"samples: at least 1 (or None for the true output lengths), got {samples}")
+        if objective not in PLAYOUT_OBJECTIVES:
+            raise ValueError(f"objective: one of {', '.join(PLAYOUT_OBJECTIVES)}, got {objective!r}")
         self.rule = FeatherRule.steady_state()
-        self.samples = samples
-        self.name = "rule-playout" if samples is None else "rule-playout-sampled"
+        self.samples, self.objective = samples, objective
+        self.name = ("rule-playout" + ("" if samples is None else "-sampled")
+                     + ("" if objective == "finish" else f"-{objective}"))
 
     def decide(self, point) -> int:
         own, sim = self.rule.decide(point), point.sim
         futures = playout_futures(sim, self.samples)
-        finish = {action: np.mean([self._playout(sim.fork(future), action) for future in futures])
-                  for action in point.distinct_actions}
-        best = min(finish, key=finish.get)
-        return best if finish[best] < finish.get(own, np.inf) * (1 - 1e-9) else own
+        score = {action: np.mean([self._playout(sim.fork(future), action) for future in futures])
+                 for action in point.distinct_actions}
+        best = max(score, key=score.get)
+        return best if score[best] > score.get(own, -np.inf) + 1e-9 * abs(score.get(own, 0.0)) else own
 
     def _playout(self, sim, action: int) -> float:
-        """When ``sim`` finishes if ``action`` is taken now and the rule decides after it."""
+        """The objective's score (higher is better) of ``sim`` run to its end with ``action`` taken
+        now and the rule deciding after it: minus the finish time, or the requests meeting the SLO."""
         sim.apply(action)
         while (later := sim.next_admission()) is not None:
             sim.apply(self.rule.decide(later))
-        return sim.now_s
+        return PLAYOUT_OBJECTIVES[self.objective](sim)
+
+
+def _finish_score(sim) -> float:
+    """Minus when the finished simulation ``sim`` ended (seconds)."""
+    return -sim.now_s
+
+
+def _goodput_score(sim) -> float:
+    """The requests of the finished simulation ``sim`` that meet its device's default SLO."""
+    from feather_gym.sweep import DEFAULT_SLOS
+
+    return float(DEFAULT_SLOS[sim.cost_model.device].met(*sim.result().latencies()).sum())
+
+
+#: What a :class:`RulePlayout` maximises at the end of each playout, by name.
+PLAYOUT_OBJECTIVES = {"finish": _finish_score, "goodput": _goodput_score}
 
 
 def sampled_output_lengths(sim, rng: np.random.Generator) -> np.ndarray:
@@ -309,7 +361,11 @@ DEFAULT_PLAYOUT_SAMPLES = 4
 #: Policies that need the simulator's state (:class:`RulePlayout`): built by :func:`make_policy`
 #: on request, never run as baselines.
 SIMULATOR_ONLY = {"rule-playout": RulePlayout,
-                  "rule-playout-sampled": lambda: RulePlayout(samples=DEFAULT_PLAYOUT_SAMPLES)}
+                  "rule-playout-sampled": lambda: RulePlayout(samples=DEFAULT_PLAYOUT_SAMPLES),
+                  "rule-playout-goodput": lambda: RulePlayout(objective="goodput"),
+                  "rule-resident-first": ResidentFirstRule}
+#: The playout references of :mod:`trainer.headroom`.
+PLAYOUT_REFERENCES = ("rule-playout", "rule-playout-sampled")
 
 BASELINES = {
     "fcfs": lambda: AlwaysAdd("fcfs", FCFSOrder),

@@ -35,6 +35,11 @@ class SLO:
     def as_dict(self) -> dict:
         return {"slo_ttft_s": self.ttft_s, "slo_tpot_s": self.tpot_s}
 
+    def met(self, ttft: np.ndarray, tpot: np.ndarray) -> np.ndarray:
+        """Which requests (TTFT and TPOT in seconds, TPOT NaN for a one-token output, which meets
+        any bound) meet both targets."""
+        return (ttft <= self.ttft_s) & ~(tpot > self.tpot_s)
+
 
 #: Default SLOs by the profile's ``device``.
 DEFAULT_SLOS = {"cuda": SLO(ttft_s=2.0, tpot_s=0.1), "cpu": SLO(ttft_s=10.0, tpot_s=0.5)}
@@ -61,7 +66,7 @@ def latency_and_goodput(result, slo: SLO, makespan_s: float) -> dict:
 def slo_figures(ttft: np.ndarray, tpot: np.ndarray, slo: SLO, makespan_s: float) -> dict:
     """TPOT percentiles and goodput of requests with these TTFTs and TPOTs (seconds, one per request,
     TPOT NaN for a one-token output) served in ``makespan_s``: the simulator's and the live engine's."""
-    met = (ttft <= slo.ttft_s) & ~(tpot > slo.tpot_s)          # a NaN TPOT (one token) meets any bound
+    met = slo.met(ttft, tpot)
     multi = tpot[~np.isnan(tpot)]
     return {
         "tpot_p50_ms": float(np.percentile(multi, 50) * 1e3) if len(multi) else 0.0,

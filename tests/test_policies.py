@@ -8,7 +8,7 @@ import pytest
 
 from feather_gym.costmodel import load_cost_model
 from feather_gym.observation import ADD, FEATURE_INDEX, STOP
-from feather_gym.orderings import LPMOrder
+from feather_gym.orderings import LPMOrder, ResidentFirstOrder
 from feather_gym.policies import (
     DEFAULT_PLAYOUT_SAMPLES,
     AlwaysAdd,
@@ -20,6 +20,7 @@ from feather_gym.policies import (
     sampled_output_lengths,
 )
 from feather_gym.simulator import EngineConfig, Simulator, simulate
+from feather_gym.sweep import DEFAULT_SLOS
 from traces import Request, Trace
 
 BS = 256                                                  # the tests' engine block size
@@ -104,6 +105,17 @@ def test_lpm_falls_back_to_fcfs_beyond_its_queue_limit(h200):
     while (point := sim.next_admission()) is not None:
         sim.apply(policy.decide(point))
     assert admission_order(sim.result())[0] == 0           # 4 waiting > 2: FCFS head first
+
+
+def test_rule_resident_first_takes_the_cached_groups_the_cht_ranks_cold(h200):
+    # P and Q are resident but nothing runs: the CHT ranks all four alike (arrival order), the
+    # residency-first order takes the cached groups first, as LPM does.
+    assert admission_order(run_with_cached(cached_prefix_trace(), h200, "feather-rule", [P, Q])) == [0, 1, 2, 3]
+    assert admission_order(run_with_cached(cached_prefix_trace(), h200, "rule-resident-first", [P, Q])) == [1, 2, 3, 0]
+    # Nothing resident: the CHT's order.
+    assert admission_order(run_with_cached(cached_prefix_trace(), h200, "rule-resident-first")) == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="groups must be >= 1"):
+        ResidentFirstOrder(groups=0)
 
 
 def test_dfs_weight_visits_the_heavier_cached_subtree_first(h200):
@@ -237,6 +249,26 @@ def test_rule_playout_never_finishes_later_than_the_rule_it_plays_out():
     assert any(playout < rule * (1 - 1e-3) for rule, playout in makespans)
 
 
+def test_the_goodput_playout_never_meets_the_slo_for_fewer_requests_than_the_rule():
+    """The same policy iteration on a terminal objective, the requests within the device's SLO."""
+    import traces
+
+    cost_model, engine = load_cost_model("vllm-cpu"), EngineConfig(kv_capacity_tokens=5760)
+    slo = DEFAULT_SLOS[cost_model.device]
+    spec = "prefix-groups:num_requests=32,groups=8,prefix_tokens_min=256,prefix_tokens_max=1024,output_tokens_max=32"
+    met = []
+    for seed in range(3):
+        trace = traces.resolve_workload(spec, seed=seed)
+        rule, playout = (int(slo.met(*simulate(trace, cost_model, policy, config=engine).latencies()).sum())
+                         for policy in (FeatherRule.steady_state(), RulePlayout(objective="goodput")))
+        assert playout >= rule
+        met.append((rule, playout))
+    assert any(playout > rule for rule, playout in met)
+    assert make_policy("rule-playout-goodput").name == "rule-playout-goodput"
+    with pytest.raises(ValueError, match="objective: one of finish, goodput"):
+        RulePlayout(objective="latency")
+
+
 def test_sampled_playouts_know_the_lengths_when_the_workload_has_only_one():
     """Every request of the trace has the same output length: each draw is the true future, so the
     sampled playouts decide exactly as the clairvoyant ones (which beat the rule here)."""
@@ -271,6 +303,7 @@ def test_sampled_output_lengths_exceed_what_each_request_emitted():
 def test_make_policy_names_and_errors():
     assert make_policy("rule-playout").name == "rule-playout"
     assert make_policy("rule-playout-sampled").samples == DEFAULT_PLAYOUT_SAMPLES
+    assert make_policy("rule-resident-first").name == "rule-resident-first"
     with pytest.raises(ValueError, match="samples: at least 1"):
         RulePlayout(samples=0)
     for name in ("fcfs", "lpm", "dfs", "hrrn", "feather-rule", "group-label"):

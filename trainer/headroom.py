@@ -2,7 +2,7 @@
 
 On the training mix's held-out evaluation seeds (``feather-train``'s defaults for ``--profile``:
 its built-in mix, KV capacity and ``eval_seeds``), the Feather rule and the simulator-only
-references (:data:`~feather_gym.policies.SIMULATOR_ONLY`: ``rule-playout`` and
+playout references (:data:`~feather_gym.policies.PLAYOUT_REFERENCES`: ``rule-playout`` and
 ``rule-playout-sampled``, both :class:`~feather_gym.policies.RulePlayout`) run on the same
 traces, and each workload reports the per-seed paired throughput ratio reference / rule
 (:func:`trainer.evaluate.paired_ratio`: mean, standard error, seeds faster and slower) beside
@@ -22,14 +22,14 @@ def headroom(config, *, seeds: int, policy_path: str | None = None) -> dict:
     """``{"profile", "seeds", "workloads": [...]}``: per workload of ``config`` (a resolved
     :class:`~trainer.config.TrainConfig`) on its first ``seeds`` evaluation seeds, each policy's
     mean throughput over FCFS's and its :func:`~trainer.evaluate.paired_ratio` over the rule's."""
-    from feather_gym.policies import SIMULATOR_ONLY, FeatherRule, make_policy
+    from feather_gym.policies import PLAYOUT_REFERENCES, FeatherRule, make_policy
     from trainer.evaluate import Benchmark, paired_ratio
 
     if not 1 <= seeds <= len(config.eval_seeds):
         raise ValueError(f"--seeds: between 1 and {len(config.eval_seeds)}, got {seeds}")
     benchmark = Benchmark(workloads=config.evaluation_workloads(), profile=config.profile,
                           seeds=config.eval_seeds[:seeds], engine=config.engine())
-    policies = ({name: make_policy(name) for name in SIMULATOR_ONLY}
+    policies = ({name: make_policy(name) for name in PLAYOUT_REFERENCES}
                 | ({"policy": make_policy(policy_path)} if policy_path else {}))
     workloads = []
     for spec in benchmark.baselines:
