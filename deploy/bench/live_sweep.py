@@ -31,7 +31,9 @@ engine, each load's figures beside the simulator's on the same requests and arri
    same arrivals with it (``at_load_clock``). The first comparison is the forecast the loads were
    set by; the second separates the simulator's scheduling from the machine's drift since
    calibration. A load meets the live target (``meets_live_target``) when its rankings agree and
-   every policy's goodput is within :data:`GOODPUT_TOLERANCE` of the simulated one.
+   every policy's goodput is within :data:`GOODPUT_TOLERANCE` of the simulated one. The timing's
+   per-step composition read counts in vLLM's scheduler CPU time, as the Feather scheduler's step
+   log counts in its own.
 
 Per load and policy, on both sides (:data:`FIGURES`): output tokens/s, TTFT p50/p99, TPOT p50/p99,
 goodput under the SLO (requests meeting TTFT and TPOT per second of makespan, live: of wall time
