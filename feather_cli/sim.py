@@ -21,7 +21,7 @@ from feather_cli.options import (
 )
 from feather_gym.compare import DEFAULT_POLICIES
 from feather_gym.policies import DEFAULT_MAX_WAIT_STEPS
-from feather_gym.sweep import DEFAULT_SLOS
+from feather_gym.slo import DEFAULT_SLOS
 
 WORKLOAD_HELP = ("trace file, shared trace name (mooncake, azure-conv) or KIND[:key=value,...]; "
                  "SPEC@START-END takes a time window (e.g. mooncake@0.7-1: the held-out last 30%%)")
@@ -139,7 +139,8 @@ def sweep_command(args) -> int:
     from feather_gym.costmodel import hardware_profile, load_cost_model
     from feather_gym.load import resolve_at_load
     from feather_gym.simulator import EngineConfig
-    from feather_gym.sweep import format_sweep, load_sweep, parse_slo, plot_sweep
+    from feather_gym.slo import parse_slo
+    from feather_gym.sweep import format_sweep, load_sweep, plot_sweep
 
     label, spec = split_workload(args.workload)
     cost_model = load_cost_model(args.profile or hardware_profile())

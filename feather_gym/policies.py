@@ -66,6 +66,7 @@ from feather_gym.orderings import (
     ResidentFirstOrder,
     WaitingOrder,
 )
+from feather_gym.slo import DEFAULT_SLOS
 
 #: Waiting-time bound of the admission, in engine steps, in the simulator and in the deployed
 #: scheduler alike: the earliest-arrived waiting request is admitted, unasked, once this many
@@ -275,7 +276,7 @@ class RulePlayout(Policy):
 
     ``objective="goodput"`` (``rule-playout-goodput``) takes instead the action whose playout has
     the most requests meeting the SLO of the profile's device
-    (:data:`feather_gym.sweep.DEFAULT_SLOS`), the rule's own unless another has more: the same
+    (:data:`feather_gym.slo.DEFAULT_SLOS`), the rule's own unless another has more: the same
     bound for goodput, where below capacity every action finishes with the last arrival.
 
     With ``samples=None`` (``rule-playout``) the playouts run the trace's true output lengths:
@@ -322,8 +323,6 @@ def _finish_score(sim) -> float:
 
 def _goodput_score(sim) -> float:
     """The requests of the finished simulation ``sim`` that meet its device's default SLO."""
-    from feather_gym.sweep import DEFAULT_SLOS
-
     return float(DEFAULT_SLOS[sim.cost_model.device].met(*sim.result().latencies()).sum())
 
 

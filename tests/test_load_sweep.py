@@ -75,7 +75,7 @@ def test_fcfs_sustains_below_its_capacity_and_not_well_above_it():
 def test_goodput_counts_the_requests_within_the_slo():
     from feather_gym.policies import make_policy
     from feather_gym.simulator import simulate
-    from feather_gym.sweep import SLO, latency_and_goodput
+    from feather_gym.slo import SLO, latency_and_goodput
 
     result = simulate(trace(), h200(), make_policy("fcfs"))
     makespan_s = result.metrics()["makespan_s"]
@@ -90,7 +90,7 @@ def test_goodput_counts_the_requests_within_the_slo():
 @pytest.mark.parametrize(("text", "ttft", "tpot"), [("", 2.0, 0.1), ("ttft=5s", 5.0, 0.1), ("tpot=50ms", 2.0, 0.05),
                                                     ("ttft=500ms,tpot=0.2s", 0.5, 0.2)])
 def test_parse_slo(text, ttft, tpot):
-    from feather_gym.sweep import DEFAULT_SLOS, parse_slo
+    from feather_gym.slo import DEFAULT_SLOS, parse_slo
 
     slo = parse_slo(text, DEFAULT_SLOS["cuda"])
     assert (slo.ttft_s, slo.tpot_s) == pytest.approx((ttft, tpot))
@@ -98,7 +98,7 @@ def test_parse_slo(text, ttft, tpot):
 
 @pytest.mark.parametrize("text", ["ttft=2", "latency=2s", "ttft=0s"])
 def test_parse_slo_refuses_malformed_items(text):
-    from feather_gym.sweep import DEFAULT_SLOS, parse_slo
+    from feather_gym.slo import DEFAULT_SLOS, parse_slo
 
     with pytest.raises(ValueError):
         parse_slo(text, DEFAULT_SLOS["cuda"])

@@ -20,7 +20,7 @@ from feather_gym.policies import (
     sampled_output_lengths,
 )
 from feather_gym.simulator import EngineConfig, Simulator, simulate
-from feather_gym.sweep import DEFAULT_SLOS
+from feather_gym.slo import DEFAULT_SLOS
 from traces import Request, Trace
 
 BS = 256                                                  # the tests' engine block size

@@ -6,7 +6,7 @@ is then averaged over the seeds. A trace file ignores the seed, so it is run onc
 part is a time window, :func:`traces.workload.split_spec`). A ``SPEC@load=X`` runs each trace at
 ``X`` times its own FCFS capacity (:mod:`feather_gym.load`). Each result carries its load regime
 (``SimResult.metrics``: arrival span, makespan, queueing delay per policy) and its latency
-figures under the SLO of the profile's device (:data:`feather_gym.sweep.DEFAULT_SLOS`): goodput
+figures under the SLO of the profile's device (:data:`feather_gym.slo.DEFAULT_SLOS`): goodput
 and the share of requests within the SLO.
 Targets: on a prefix-sharing workload the policy must reach the best *heuristic*
 (every baseline but ``group-label``, which reads the generators' group labels); on a workload
@@ -51,7 +51,7 @@ class Benchmark:
         from feather_gym.load import LoadedWorkloads
         from feather_gym.policies import BASELINES, make_policy
         from feather_gym.simulator import EngineConfig
-        from feather_gym.sweep import DEFAULT_SLOS
+        from feather_gym.slo import DEFAULT_SLOS
         from traces.stats import trace_stats
         from traces.workload import is_generated
 
@@ -80,7 +80,7 @@ class Benchmark:
         ``spec``'s runs, in seed order: throughput (output tok/s), goodput (requests within the SLO
         per second) and their share, makespan and queueing delays (s)."""
         from feather_gym.simulator import simulate
-        from feather_gym.sweep import latency_and_goodput
+        from feather_gym.slo import latency_and_goodput
 
         runs = []
         for trace, digests in self._runs[spec]:

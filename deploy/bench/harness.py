@@ -14,8 +14,8 @@ Per side (:func:`summarise`): output tokens/s (output tokens / wall time of its 
 steps, CPU time of the scheduler's own calls per step (``schedule`` and ``update_from_output``,
 thread CPU time, measured the same way for every side), its share of the wall time, the prompt
 tokens served from the prefix cache, TTFT and TPOT percentiles, and per-round values; given a
-latency SLO (:class:`feather_gym.sweep.SLO`), the goodput under it as the simulated sweep
-defines it (:func:`feather_gym.sweep.slo_figures`: requests meeting it per second of wall time). Per side against
+latency SLO (:class:`feather_gym.slo.SLO`), the goodput under it as the simulated sweep
+defines it (:func:`feather_gym.slo.slo_figures`: requests meeting it per second of wall time). Per side against
 the reference side (the first): the throughput ratio of each pair of same-index rounds, their
 mean, min/max, standard error and 95% confidence interval (:func:`ratio_stats`).
 """
@@ -104,7 +104,7 @@ def summarise(rounds: list[RoundResult], slo=None) -> dict:
     """Figures of one side's rounds: rates over the summed wall time, means per round, TTFT and
     TPOT percentiles over every request of every round, request counts summed over the rounds;
     with ``slo``, the goodput figures of every request of every round over the summed wall time."""
-    from feather_gym.sweep import slo_figures
+    from feather_gym.slo import slo_figures
 
     wall = np.array([r.wall_s for r in rounds])
     steps = np.array([r.meter.steps for r in rounds])

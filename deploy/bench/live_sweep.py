@@ -139,7 +139,7 @@ def live_sweep(workload: str = DEFAULT_WORKLOAD, *, label: str | None = None, lo
     """The whole report (see the module docstring) of the workload spec ``workload`` (``label``: its
     name in the table, by default its :func:`~traces.workload.workload_label`). ``policies``: the
     Feather policies beside ``fcfs`` (vLLM's scheduler, always first); ``slo``: a
-    :class:`feather_gym.sweep.SLO`, by default the profile device's (:data:`feather_gym.sweep.DEFAULT_SLOS`)."""
+    :class:`feather_gym.slo.SLO`, by default the profile device's (:data:`feather_gym.slo.DEFAULT_SLOS`)."""
     from deploy.bench.clock import StepTimedScheduler, calibrate_clock
     from deploy.bench.harness import DEFAULT_BENCH_KV_CACHE_GIB, clip_lengths, run_schedulers
     from deploy.bench.validate import as_deployed, as_served, live_sides, simulated_engine
@@ -148,7 +148,8 @@ def live_sweep(workload: str = DEFAULT_WORKLOAD, *, label: str | None = None, lo
     from feather_gym.costmodel.clock import fit_clock
     from feather_gym.load import at_load, check_load, find_capacity
     from feather_gym.simulator import trace_digests
-    from feather_gym.sweep import DEFAULT_SLOS, simulate_policies
+    from feather_gym.slo import DEFAULT_SLOS
+    from feather_gym.sweep import simulate_policies
     from feather_gym.vllm_engine import resolve_kv_cache_gib, start_engine
     from traces import resolve_workload
     from traces.rate import at_rate
