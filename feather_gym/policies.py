@@ -38,7 +38,8 @@ sampled                           the trace's distribution given what each reque
                                   no foresight of lengths; simulator-only
 rule-playout-   CHTOrder, k = 4   ``rule-playout`` taking the action whose playout has the most
 goodput                           requests within the device's default SLO; simulator-only and
-                                  clairvoyant
+                                  clairvoyant (``rule-playout-sampled-goodput``: on 4 sampled
+                                  futures, as ``rule-playout-sampled``)
 rule-resident-  ResidentFirst-    the rule on the first of the CHT's 4 best groups' candidates
 first           Order             reordered by KV residency (:class:`ResidentFirstRule`);
                                   simulator-only
@@ -362,6 +363,8 @@ DEFAULT_PLAYOUT_SAMPLES = 4
 SIMULATOR_ONLY = {"rule-playout": RulePlayout,
                   "rule-playout-sampled": lambda: RulePlayout(samples=DEFAULT_PLAYOUT_SAMPLES),
                   "rule-playout-goodput": lambda: RulePlayout(objective="goodput"),
+                  "rule-playout-sampled-goodput": lambda: RulePlayout(samples=DEFAULT_PLAYOUT_SAMPLES,
+                                                                      objective="goodput"),
                   "rule-resident-first": ResidentFirstRule}
 #: The playout references of :mod:`trainer.headroom`.
 PLAYOUT_REFERENCES = ("rule-playout", "rule-playout-sampled")

@@ -271,7 +271,7 @@ def test_the_feather_rule_is_deployable_and_fcfs_orderings_are_refused():
     for name in ("cht", "cht-dfs"):          # the CHT's order, without STOPs / choosing a group
         assert build_admission(FeatherConfig(policy=name), **hooks).policy.name == name
     for name in ("fcfs", "dfs", "hrrn", "group-label", "rule-playout", "rule-playout-sampled",
-                 "rule-playout-goodput", "rule-resident-first"):
+                 "rule-playout-goodput", "rule-playout-sampled-goodput", "rule-resident-first"):
         with pytest.raises(PolicyStartupError, match="cannot run in the Feather scheduler"):
             build_admission(FeatherConfig(policy=name), **hooks)
 

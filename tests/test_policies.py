@@ -265,6 +265,9 @@ def test_the_goodput_playout_never_meets_the_slo_for_fewer_requests_than_the_rul
         met.append((rule, playout))
     assert any(playout > rule for rule, playout in met)
     assert make_policy("rule-playout-goodput").name == "rule-playout-goodput"
+    sampled = make_policy("rule-playout-sampled-goodput")
+    assert (sampled.name, sampled.samples, sampled.objective) == ("rule-playout-sampled-goodput",
+                                                                  DEFAULT_PLAYOUT_SAMPLES, "goodput")
     with pytest.raises(ValueError, match="objective: one of finish, goodput"):
         RulePlayout(objective="latency")
 
