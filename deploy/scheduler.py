@@ -128,7 +128,7 @@ class FeatherConfig:
 
 def load_deployable_policy(spec: str, *, device: str = "cpu"):
     """The :class:`feather_gym.policies.Policy` named by ``spec``: a baseline that orders by the CHT
-    (``"feather-rule"``, ``"cht"``, ``"cht-dfs"``) or an ONNX file.
+    (``"feather-rule"``, ``"feather-hold"``, ``"cht"``, ``"cht-dfs"``) or an ONNX file.
 
     Raises ``ValueError`` for a policy that cannot run here (it orders candidates some other
     way than the CHT, reads the simulator's state, or its file's observation contract differs)
@@ -140,7 +140,7 @@ def load_deployable_policy(spec: str, *, device: str = "cpu"):
     policy = make_policy(spec, device=device)
     if spec in SIMULATOR_ONLY or type(policy.make_order()) is not CHTOrder:
         raise ValueError(f"policy {spec!r} cannot run in the Feather scheduler, which proposes the CHT's "
-                         "candidates: use 'feather-rule', 'cht', 'cht-dfs' or a *.onnx policy "
+                         "candidates: use 'feather-rule', 'feather-hold', 'cht', 'cht-dfs' or a *.onnx policy "
                          "(vLLM's own scheduler is FCFS)")
     return policy
 

@@ -20,6 +20,8 @@ dfs             DFSWeightOrder    always ADD: SGLang's DFS-weight
 cht             CHTOrder          always ADD: the Feather scheduler's order without its STOPs
                                   (what of a gain is the CHT's ordering; deployable)
 feather-rule    CHTOrder          the threshold rule of the Feather vLLM pull request
+feather-hold    CHTOrder          the rule holding new requests for :data:`DEFAULT_HOLD_STEPS`
+                                  engine steps while a batch runs (:func:`feather_hold`)
 cht-dfs         CHTOrder, k = 4   always admits, choosing among the CHT's 4 candidate groups
                                   the one with the most waiting requests (DFS-weight's
                                   heavier-subtree-first as a k-way choice)
@@ -81,7 +83,8 @@ def check_max_wait_steps(steps: int) -> int:
     if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 0:
         raise ValueError(f"max_wait_steps must be a whole number of engine steps >= 0, got {steps!r}")
     return int(steps)
-_LOSS, _SAME = FEATURE_INDEX["chunk_loss_tokens"], FEATURE_INDEX["same_prefix_waiting"]
+_LOSS, _SAME, _WAITED = (FEATURE_INDEX["chunk_loss_tokens"], FEATURE_INDEX["same_prefix_waiting"],
+                         FEATURE_INDEX["oldest_wait_steps"])
 
 
 class Policy(ABC):
@@ -135,15 +138,24 @@ class FeatherRule(Policy):
     3. Otherwise ADD only while the batch is smaller than a floor: ``floor_start`` plus one
        for every ``floor_growth_steps`` engine steps in which the rule has refused a
        candidate, up to ``max_floor``. State: the refused-step count (cleared by :meth:`reset`).
+    4. With ``hold_steps`` H > 0, an ADD of rules 2-3 is a STOP while the earliest-arrived waiting
+       request has waited fewer than H engine steps (``oldest_wait_steps``): while a batch
+       runs, new requests gather for H steps before any is admitted, so the CHT chooses among
+       more of them and fewer steps mix a new prefill into the running decodes. An engine step
+       with an empty batch still admits (rule 1), and the waiting-time bound of the admission
+       still admits every request that waits too long. Held STOPs do not grow the floor.
     """
 
     name = "feather-rule"
 
     def __init__(self, *, loss_limit_tokens: int = 1280, crowded_loss_limit_tokens: int = 1792,
                  crowded_waiting: int = 10, floor_start: int = 1, max_floor: int = 10,
-                 floor_growth_steps: int = 4) -> None:
+                 floor_growth_steps: int = 4, hold_steps: int = 0) -> None:
         if floor_growth_steps < 1:
             raise ValueError(f"floor_growth_steps must be >= 1, got {floor_growth_steps}")
+        if isinstance(hold_steps, bool) or not isinstance(hold_steps, int) or hold_steps < 0:
+            raise ValueError(f"hold_steps must be a whole number of engine steps >= 0, got {hold_steps!r}")
+        self.hold_steps = hold_steps
         self.loss_limit_tokens, self.crowded_loss_limit_tokens = loss_limit_tokens, crowded_loss_limit_tokens
         self.crowded_waiting = crowded_waiting
         self.floor_start, self.max_floor, self.floor_growth_steps = floor_start, max_floor, floor_growth_steps
@@ -151,11 +163,15 @@ class FeatherRule(Policy):
 
     @classmethod
     def steady_state(cls) -> FeatherRule:
-        """The rule with its floor at ``max_floor`` from the start: stateless, a function of the
+        """The rule with its floor at ``max_floor`` from the start (:meth:`in_steady_state`)."""
+        return cls().in_steady_state()
+
+    def in_steady_state(self) -> FeatherRule:
+        """This rule, its floor set at ``max_floor`` from the start: stateless, a function of the
         observation (what the warm start clones, and what :class:`RulePlayout` plays out)."""
-        rule = cls()
-        rule.floor_start = rule.max_floor
-        return rule
+        self.floor_start = self.max_floor
+        self.reset()
+        return self
 
     def reset(self) -> None:
         self._refused_steps = 0
@@ -170,12 +186,27 @@ class FeatherRule(Policy):
             return ADD
         raw = point.raw
         crowded = raw[_SAME] + 1 >= self.crowded_waiting
-        if raw[_LOSS] <= (self.crowded_loss_limit_tokens if crowded else self.loss_limit_tokens):
-            return ADD
-        if point.step != self._last_refused_step:
-            self._last_refused_step = point.step
-            self._refused_steps += 1
-        return ADD if point.batch_size < self.floor else STOP
+        if raw[_LOSS] > (self.crowded_loss_limit_tokens if crowded else self.loss_limit_tokens):
+            if point.step != self._last_refused_step:
+                self._last_refused_step = point.step
+                self._refused_steps += 1
+            if point.batch_size >= self.floor:
+                return STOP
+        return STOP if raw[_WAITED] < self.hold_steps else ADD
+
+
+#: The hold of ``feather-hold``, in engine steps: chosen on the CPU training mix's workloads (its
+#: seeds and Mooncake's training part, not the sweeps' workloads) as the hold that raised the
+#: requests meeting the SLO at every load factor without losing any on the bursts.
+DEFAULT_HOLD_STEPS = 2
+
+
+def feather_hold(hold_steps: int = DEFAULT_HOLD_STEPS) -> FeatherRule:
+    """The Feather rule holding new requests ``hold_steps`` engine steps while a batch runs (rule 4
+    of :class:`FeatherRule`), named ``feather-hold``. Deployable, as the rule is."""
+    rule = FeatherRule(hold_steps=hold_steps)
+    rule.name = "feather-hold"
+    return rule
 
 
 class ResidentFirstRule(FeatherRule):
@@ -376,6 +407,7 @@ BASELINES = {
     "cht": lambda: AlwaysAdd("cht", CHTOrder),
     "hrrn": hrrn,
     "feather-rule": FeatherRule,
+    "feather-hold": feather_hold,
     "cht-dfs": HeaviestGroup,
     "group-label": GroupLabelPolicy,
 }

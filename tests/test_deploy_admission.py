@@ -20,7 +20,7 @@ from deploy.admission import FCFSAdmission, PolicyAdmission
 from deploy.scheduler import FeatherConfig, PolicyStartupError, build_admission
 from deploy.vllm_request import vllm_request
 from deploy.waiting_queue import CHTWaitingQueue
-from feather_gym.policies import FeatherRule, OnnxFilePolicy
+from feather_gym.policies import DEFAULT_HOLD_STEPS, FeatherRule, OnnxFilePolicy, make_policy
 from traces.chunk_hash import block_hash_digests
 
 BLOCK = 16
@@ -129,6 +129,20 @@ def test_waiting_time_bound_overrides_stop_after_its_engine_steps(files):
     with queue.admitting(admission):
         assert [admit(queue) for _ in range(3)] == ["a", "b", "c"]
     assert admission.stats.forced_wait == 3 and admission.stats.stops == 2
+
+
+def test_deployed_hold_admits_once_the_oldest_request_has_waited_its_hold():
+    """``feather-hold`` deployed: while a batch runs, a request added before step 1 is held in steps
+    1 and 2 (it has waited 0 and 1 steps) and admitted in step 3, by the rule, not the bound."""
+    queue, _ = make_queue({"a": (1,)})
+    admission = PolicyAdmission(make_policy("feather-hold"), num_running=Running(1), kv_usage=lambda: 0.0,
+                                max_num_seqs=256)
+    for _ in range(DEFAULT_HOLD_STEPS):
+        with queue.admitting(admission):
+            assert not queue
+    with queue.admitting(admission):
+        assert admit(queue) == "a"
+    assert admission.stats.stops == DEFAULT_HOLD_STEPS and admission.stats.forced_wait == 0
 
 
 def test_wait_steps_count_engine_steps_since_arrival_and_survive_preemption():
@@ -268,7 +282,7 @@ def test_the_feather_rule_is_deployable_and_fcfs_orderings_are_refused():
     hooks = {"num_running": lambda: 0, "kv_usage": lambda: 0.0, "max_num_seqs": 256}
     admission = build_admission(FeatherConfig(policy="feather-rule"), **hooks)
     assert isinstance(admission, PolicyAdmission) and isinstance(admission.policy, FeatherRule)
-    for name in ("cht", "cht-dfs"):          # the CHT's order, without STOPs / choosing a group
+    for name in ("cht", "cht-dfs", "feather-hold"):   # the CHT's order: no STOPs / a group chosen / held
         assert build_admission(FeatherConfig(policy=name), **hooks).policy.name == name
     for name in ("fcfs", "dfs", "hrrn", "group-label", "rule-playout", "rule-playout-sampled",
                  "rule-playout-goodput", "rule-playout-sampled-goodput", "rule-resident-first"):

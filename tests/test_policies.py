@@ -10,6 +10,7 @@ from feather_gym.costmodel import load_cost_model
 from feather_gym.observation import ADD, FEATURE_INDEX, STOP
 from feather_gym.orderings import LPMOrder, ResidentFirstOrder
 from feather_gym.policies import (
+    DEFAULT_HOLD_STEPS,
     DEFAULT_PLAYOUT_SAMPLES,
     AlwaysAdd,
     FeatherRule,
@@ -167,12 +168,13 @@ def test_feather_rule_keeps_the_batch_in_one_prefix_group(h200):
     assert np.all(fcfs.first_scheduled_s == 0.0)           # FCFS mixes both groups at once
 
 
-def point(batch_size, chunk_loss=0, same_prefix_waiting=0, step=1):
+def point(batch_size, chunk_loss=0, same_prefix_waiting=0, step=1, oldest_wait_steps=0):
     """A decision point with ``chunk_loss`` in chunks of 256 tokens (the rule's thresholds: 5 and 7)."""
     raw = np.zeros(len(FEATURE_INDEX))
     raw[FEATURE_INDEX["batch_size"]] = batch_size
     raw[FEATURE_INDEX["chunk_loss_tokens"]] = 256 * chunk_loss
     raw[FEATURE_INDEX["same_prefix_waiting"]] = same_prefix_waiting
+    raw[FEATURE_INDEX["oldest_wait_steps"]] = oldest_wait_steps
     return SimpleNamespace(batch_size=batch_size, raw=raw, step=step)
 
 
@@ -200,6 +202,39 @@ def test_feather_rule_floor_grows_with_refused_steps_up_to_ten():
     assert rule.floor == 10
     rule.reset()
     assert rule.floor == 1
+
+
+def test_feather_hold_admits_once_the_oldest_request_has_waited_its_hold():
+    hold = make_policy("feather-hold")
+    assert hold.name == "feather-hold" and hold.hold_steps == DEFAULT_HOLD_STEPS == 2
+    assert hold.decide(point(0, oldest_wait_steps=0)) == ADD                 # an empty batch admits at once
+    assert hold.decide(point(3, oldest_wait_steps=0)) == STOP
+    assert hold.decide(point(3, oldest_wait_steps=1)) == STOP
+    assert hold.decide(point(3, oldest_wait_steps=2)) == ADD
+    assert hold.decide(point(20, chunk_loss=6, oldest_wait_steps=9)) == STOP  # the rule's own STOP stays
+    assert FeatherRule().decide(point(3, oldest_wait_steps=0)) == ADD        # the rule holds nothing
+    with pytest.raises(ValueError, match="hold_steps"):
+        FeatherRule(hold_steps=-1)
+
+
+def test_feather_hold_stops_do_not_grow_the_floor():
+    hold = FeatherRule(hold_steps=5)
+    for step in range(1, 20):
+        assert hold.decide(point(3, step=step, oldest_wait_steps=0)) == STOP
+    assert hold.floor == 1
+
+
+def test_feather_hold_admits_a_newcomer_its_hold_later_than_the_rule(h200):
+    """One request of A decodes; B's four arrive a few milliseconds apart. The rule admits the first
+    of B in the step it arrives in; the hold waits until it has waited two engine steps, and admits
+    no request of B earlier than the rule does."""
+    a, b = tokens(7, 4 * BS), tokens(8, 4 * BS)
+    trace = Trace("hold", [req(0, 0.0, np.concatenate([a, tokens(20, 10)]), 200)]
+                  + [req(i, 0.05 + 0.004 * i, np.concatenate([b, tokens(20 + i, 10)]), 8) for i in range(1, 5)])
+    rule, hold = (simulate(trace, h200, make_policy(name), config=ENGINE) for name in ("feather-rule", "feather-hold"))
+    assert hold.first_scheduled_step[1] == rule.first_scheduled_step[1] + DEFAULT_HOLD_STEPS
+    assert np.all(hold.first_scheduled_step[1:] >= rule.first_scheduled_step[1:])
+    assert np.all(np.isfinite(hold.finish_s))
 
 
 def test_group_label_serves_one_group_at_a_time(h200):
@@ -309,7 +344,7 @@ def test_make_policy_names_and_errors():
     assert make_policy("rule-resident-first").name == "rule-resident-first"
     with pytest.raises(ValueError, match="samples: at least 1"):
         RulePlayout(samples=0)
-    for name in ("fcfs", "lpm", "dfs", "hrrn", "feather-rule", "group-label"):
+    for name in ("fcfs", "lpm", "dfs", "hrrn", "feather-rule", "feather-hold", "group-label"):
         assert make_policy(name).name == name
     with pytest.raises(OSError, match="missing.onnx"):     # a policy file is loaded (and checked) when built
         make_policy("runs/missing.onnx")

@@ -82,6 +82,8 @@ def test_the_rule_is_recorded_stateless(demos):
     for row, action in zip(map(bytes, demos.obs), demos.actions.tolist()):
         assert labels.setdefault(row, action) == action
     assert demonstrator("fcfs").name == "fcfs"
+    hold = demonstrator("feather-hold")       # the held rule is recorded in its steady state too, hold kept
+    assert hold.name == "feather-hold" and hold.floor == hold.max_floor and hold.hold_steps > 0
 
 
 #: Short windows and two candidate slots: playouts are cheap, and the rule admits slot 0 only.

@@ -117,10 +117,12 @@ class Demonstrations:
 
 def demonstrator(policy_name: str):
     """The policy recorded for ``policy_name`` (a baseline of :data:`feather_gym.policies.BASELINES`):
-    the baseline itself, except the Feather rule, which is recorded in its steady state (see above)."""
+    the baseline itself, except the Feather rule (``feather-rule``, ``feather-hold``), which is
+    recorded in its steady state (see above)."""
     from feather_gym.policies import FeatherRule, make_policy
 
-    return FeatherRule.steady_state() if policy_name == FeatherRule.name else make_policy(policy_name)
+    policy = make_policy(policy_name)
+    return policy.in_steady_state() if isinstance(policy, FeatherRule) else policy
 
 
 def playout_return(env, policy, action: int, output_len: np.ndarray | None = None) -> float:
