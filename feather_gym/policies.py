@@ -195,9 +195,10 @@ class FeatherRule(Policy):
         return STOP if raw[_WAITED] < self.hold_steps else ADD
 
 
-#: The hold of ``feather-hold``, in engine steps: chosen on the CPU training mix's workloads (its
-#: seeds and Mooncake's training part, not the sweeps' workloads) as the hold that raised the
-#: requests meeting the SLO at every load factor without losing any on the bursts.
+#: The hold of ``feather-hold``, in engine steps: chosen on the CPU training mix (its generators'
+#: seeds and Mooncake's training part, not the sweeps' workloads), the longest hold tried there
+#: that no burst of the mix lost its requests' SLO to wholesale (a burst waits the hold with one
+#: request running).
 DEFAULT_HOLD_STEPS = 2
 
 

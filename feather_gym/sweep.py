@@ -52,9 +52,9 @@ def simulate_policies(trace, cost_model, policy_names: list[str], *, slo: SLO, c
 
 
 def policy_label(name: str) -> str:
-    """A policy's short name in tables and legends: a baseline's name, a policy file's name (at
-    most 24 characters, its end kept)."""
-    return os.path.basename(name)[-24:]
+    """A policy's short name in tables and legends: a baseline's name, a policy file's folder and
+    name (``run/policy.onnx``, so the files of two runs differ; at most 24 characters, its end kept)."""
+    return "/".join(name.split(os.sep)[-2:])[-24:]
 
 
 def format_sweep(report: dict) -> str:

@@ -121,9 +121,11 @@ def test_sim_sweep_json_is_one_object_on_the_last_line(capsys, tmp_path):
     assert high["arrival_rate_req_s"] == pytest.approx(low["arrival_rate_req_s"] * 1.2 / 0.5)
 
 
-def test_a_policy_file_is_labelled_by_its_name_in_the_table_and_the_legend():
+def test_a_policy_file_is_labelled_by_its_run_and_name_in_the_table_and_the_legend():
     from feather_gym.sweep import policy_label
 
-    assert policy_label("/tmp/runs/default/policy.onnx") == "policy.onnx"
+    assert policy_label("/tmp/runs/default/policy.onnx") == "default/policy.onnx"
+    assert policy_label("runs/hold/policy.onnx") != policy_label("runs/default/policy.onnx")
     assert policy_label("feather-rule") == "feather-rule"
+    assert policy_label("policy.onnx") == "policy.onnx"
     assert policy_label("/x/" + "p" * 30 + ".onnx") == "p" * 19 + ".onnx"
