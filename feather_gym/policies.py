@@ -196,9 +196,9 @@ class FeatherRule(Policy):
 
 
 #: The hold of ``feather-hold``, in engine steps: chosen on the CPU training mix (its generators'
-#: seeds and Mooncake's training part, not the sweeps' workloads), the longest hold tried there
-#: that no burst of the mix lost its requests' SLO to wholesale (a burst waits the hold with one
-#: request running).
+#: seeds and Mooncake's training part, not the sweeps' workloads) as the longest hold tried under
+#: which no burst of the mix lost all its requests within the SLO (a burst waits the hold with
+#: one request running).
 DEFAULT_HOLD_STEPS = 2
 
 
