@@ -92,13 +92,17 @@ class PolicyAdmission(Admission):
 
     ``policy`` is a deployable :class:`feather_gym.policies.Policy`. ``num_running`` and
     ``kv_usage`` read the scheduler live (requests running including those admitted this step;
-    fraction of KV blocks in use); ``max_num_seqs`` is the scheduler's running limit. ``resumable(request,
-    shared_blocks)`` says how many of a waiting request's first ``shared_blocks`` blocks a hit
-    can resume (a hybrid engine's deepest kept state); ``None``, a dense engine: all of them.
+    fraction of KV blocks in use); ``max_num_seqs`` is the scheduler's running limit.
+    ``resident_tokens(request)`` is the prefix-cache hit, in tokens, a waiting request would
+    take if admitted now (:func:`deploy.vllm_compat.resident_prefix_tokens`; side-effect free).
+    ``resumable(request, shared_blocks)`` says how many of a waiting request's first
+    ``shared_blocks`` blocks a hit can resume (a hybrid engine's deepest kept state); ``None``,
+    a dense engine: all of them.
     """
 
     def __init__(self, policy, *, num_running: Callable[[], int], kv_usage: Callable[[], float],
-                 max_num_seqs: int, max_wait_steps: int = DEFAULT_MAX_WAIT_STEPS,
+                 max_num_seqs: int, resident_tokens: Callable[[object], int],
+                 max_wait_steps: int = DEFAULT_MAX_WAIT_STEPS,
                  resumable: Callable[[object, int], int] | None = None) -> None:
         self.policy = policy
         self.max_wait_steps = check_max_wait_steps(max_wait_steps)
@@ -106,6 +110,7 @@ class PolicyAdmission(Admission):
         self.stats = AdmissionStats()
         self._num_running = num_running
         self._kv_usage = kv_usage
+        self._resident_tokens = resident_tokens
         self._resumable = resumable
         self._fcfs_this_step = False
         self._queue = None
@@ -153,6 +158,9 @@ class PolicyAdmission(Admission):
 
     def context_tokens(self, request_id) -> int:
         return self._queue.waiting_request(request_id).num_tokens
+
+    def resident_blocks(self, request_id) -> int:
+        return self._resident_tokens(self._queue.waiting_request(request_id)) // self.tree.chunk_size
 
     def resumable_blocks(self, request_id, shared_blocks: int) -> int:
         if self._resumable is None:

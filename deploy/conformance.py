@@ -211,8 +211,8 @@ def classify(nodeid: str, control: dict, fcfs_control: dict | None = None, *,
 def pytest_addoption(parser) -> None:
     group = parser.getgroup("feather", "Feather conformance (deploy.conformance)")
     group.addoption("--feather-policy", default="vllm",
-                    help="feather-rule, feather-hold, cht, cht-dfs, a *.onnx policy, fcfs (the Feather classes "
-                         "admitting FCFS), or vllm (no substitution: the control)")
+                    help="feather-rule, feather-hold, feather-resident, cht, cht-dfs, a *.onnx policy, fcfs (the "
+                         "Feather classes admitting FCFS), or vllm (no substitution: the control)")
     group.addoption("--feather-force-prefix-caching", action="store_true",
                     help="turn prefix caching on where a test leaves it off, instead of skipping the test "
                          "(also in the control: compare like with like)")

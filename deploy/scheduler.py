@@ -42,7 +42,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from deploy.vllm_compat import require_supported_vllm
+from deploy.vllm_compat import require_supported_vllm, resident_prefix_tokens
 
 require_supported_vllm()  # before touching vLLM internals
 
@@ -128,7 +128,8 @@ class FeatherConfig:
 
 def load_deployable_policy(spec: str, *, device: str = "cpu"):
     """The :class:`feather_gym.policies.Policy` named by ``spec``: a baseline that orders by the CHT
-    (``"feather-rule"``, ``"feather-hold"``, ``"cht"``, ``"cht-dfs"``) or an ONNX file.
+    (``"feather-rule"``, ``"feather-hold"``, ``"feather-resident"``, ``"cht"``, ``"cht-dfs"``) or an
+    ONNX file.
 
     Raises ``ValueError`` for a policy that cannot run here (it orders candidates some other
     way than the CHT, reads the simulator's state, or its file's observation contract differs)
@@ -140,13 +141,14 @@ def load_deployable_policy(spec: str, *, device: str = "cpu"):
     policy = make_policy(spec, device=device)
     if spec in SIMULATOR_ONLY or type(policy.make_order()) is not CHTOrder:
         raise ValueError(f"policy {spec!r} cannot run in the Feather scheduler, which proposes the CHT's "
-                         "candidates: use 'feather-rule', 'feather-hold', 'cht', 'cht-dfs' or a *.onnx policy "
-                         "(vLLM's own scheduler is FCFS)")
+                         "candidates: use 'feather-rule', 'feather-hold', 'feather-resident', 'cht', 'cht-dfs' or a "
+                         "*.onnx policy (vLLM's own scheduler is FCFS)")
     return policy
 
 
 def build_admission(config: FeatherConfig, *, num_running: Callable[[], int], kv_usage: Callable[[], float],
-                    max_num_seqs: int, resumable: Callable[[object, int], int] | None = None) -> Admission:
+                    max_num_seqs: int, resident_tokens: Callable[[object], int],
+                    resumable: Callable[[object, int], int] | None = None) -> Admission:
     """The admission for ``config``: the policy's, or FCFS when the policy is unusable and allowed.
 
     Raises :class:`PolicyStartupError` (naming the policy and the cause) when the policy is
@@ -168,7 +170,8 @@ def build_admission(config: FeatherConfig, *, num_running: Callable[[], int], kv
                     "compiled evaluator" if runtime.kernel == "native" else f"onnxruntime {runtime.provider}",
                     runtime.metadata.get("feather.profile"), runtime.metadata.get("feather.workload"))
     return PolicyAdmission(policy, num_running=num_running, kv_usage=kv_usage, max_num_seqs=max_num_seqs,
-                           max_wait_steps=config.max_wait_steps, resumable=resumable)
+                           resident_tokens=resident_tokens, max_wait_steps=config.max_wait_steps,
+                           resumable=resumable)
 
 
 class FeatherSchedulingMixin:
@@ -197,6 +200,7 @@ class FeatherSchedulingMixin:
         self.admission = build_admission(config, num_running=lambda: len(self.running),
                                          kv_usage=lambda: self.kv_cache_manager.usage,
                                          max_num_seqs=self.max_num_running_reqs,
+                                         resident_tokens=self._resident_prefix_tokens,
                                          resumable=getattr(self, "resumable_blocks", None))
         self.policy_reloader = reloader if isinstance(self.admission, PolicyAdmission) else None
         self.step_log = config.make_step_log()
@@ -204,6 +208,10 @@ class FeatherSchedulingMixin:
         self.metrics = getattr(self, "metrics", None) or MetricsRecorder()   # one per scheduler, shared by the mixins
         if isinstance(self.admission, PolicyAdmission):
             self.admission.decision_latencies_ns = []
+
+    def _resident_prefix_tokens(self, request) -> int:
+        """The prefix-cache hit, in tokens, ``request`` would take if admitted now (read, not taken)."""
+        return resident_prefix_tokens(self.kv_cache_manager.coordinator, request)
 
     def schedule(self, throttle_prefills: bool = False):
         began = time.perf_counter()

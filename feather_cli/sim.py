@@ -26,7 +26,7 @@ from feather_gym.slo import DEFAULT_SLOS
 WORKLOAD_HELP = ("trace file, shared trace name (mooncake, azure-conv) or KIND[:key=value,...]; "
                  "SPEC@START-END takes a time window (e.g. mooncake@0.7-1: the held-out last 30%%)")
 DEFAULT_LOADS = "0.5,0.7,0.9,1.0,1.1,1.3"
-DEFAULT_SWEEP_POLICIES = "fcfs,lpm,dfs,hrrn,feather-rule,feather-hold,cht"
+DEFAULT_SWEEP_POLICIES = "fcfs,lpm,dfs,hrrn,feather-rule,feather-hold,feather-resident,cht"
 
 
 def register(tree) -> None:

@@ -24,6 +24,11 @@ idx   name                          raw meaning (unit)                          
 7     num_waiting                   waiting-queue length (candidate included)                  128
 8     oldest_wait_steps             engine steps the earliest-arrived waiting request has      64
                                     waited before this one (``view.oldest_wait_steps``)
+9     candidate_resident_tokens     tokens of the candidate's context a prefix-cache hit       8192
+                                    would take from the KV cache if it were admitted now:
+                                    its leading full blocks resident in the cache, running or
+                                    not, at most all its tokens but the last, resumable ones
+                                    only (``view.resident_prefix_blocks``)
 ====  ============================  =========================================================  =======
 
 Units: prefix features are in **tokens**, never in blocks, so the engine's KV block size (16 on
@@ -34,11 +39,13 @@ counted in **engine steps**, never in seconds, so no feature reads a clock: a si
 live engine that schedule alike observe alike, however fast the machine is that day.
 
 Hybrid models: a shared block saves prefill only up to the deepest recurrent state a hit can
-resume, so ``candidate_cached_fraction`` counts the shared blocks the view says are resumable
-(all of them for a dense model). Features 1 and 3 describe decode-batch homogeneity (shared
+resume, so ``candidate_cached_fraction`` and ``candidate_resident_tokens`` count the blocks the
+view says are resumable (all of them for a dense model). Features 1 and 3 describe decode-batch homogeneity (shared
 attention KV read once), which recurrent states do not change, and count every shared block.
 
-Features 0-2 are the Feather paper's; 3-8 are extras. All raw values are non-negative, so every
+Features 0-2 are the Feather paper's; 3-9 are extras. Features 1, 3 and 5 see the running set
+only (the CHT's); 9 sees the whole prefix cache, so a group whose requests finished but whose
+prefix is still cached reads as warm there (what SGLang's LPM orders by). All raw values are non-negative, so every
 offset is 0 and the normalised range is ``[0, OBS_CLIP]``.
 
 Candidates and actions (``k`` = ``num_candidates``; :data:`DEFAULT_NUM_CANDIDATES`, 1, where a
@@ -57,9 +64,10 @@ candidate: its observation is exactly the 9 features and its actions are ``(STOP
 
 Changing a feature, its unit, its order, its normalisation or this layout requires bumping
 :data:`OBS_VERSION`; ONNX policies carry the contract (and ``k``) they were trained with and are
-refused on mismatch (:mod:`feather_gym.policy_runtime`). ``feather-obs-4`` replaced
-``feather-obs-3``'s ``oldest_wait_s`` (seconds, scale 10) with ``oldest_wait_steps``; files of
-earlier contracts are refused.
+refused on mismatch (:mod:`feather_gym.policy_runtime`). ``feather-obs-5`` added
+``candidate_resident_tokens`` to ``feather-obs-4``, which had replaced ``feather-obs-3``'s
+``oldest_wait_s`` (seconds, scale 10) with ``oldest_wait_steps``; files of earlier contracts
+are refused.
 """
 
 from __future__ import annotations
@@ -71,7 +79,7 @@ import numpy as np
 from cache_core.cht.tree import ChunkedHashTree
 from feather_gym._observation import FeatureKernel
 
-OBS_VERSION = "feather-obs-4"
+OBS_VERSION = "feather-obs-5"
 
 FEATURE_NAMES: tuple[str, ...] = (
     "batch_size",
@@ -83,6 +91,7 @@ FEATURE_NAMES: tuple[str, ...] = (
     "kv_utilisation",
     "num_waiting",
     "oldest_wait_steps",
+    "candidate_resident_tokens",
 )
 #: name -> position in the vector.
 FEATURE_INDEX: dict[str, int] = {name: i for i, name in enumerate(FEATURE_NAMES)}
@@ -98,6 +107,7 @@ OBS_NORMALIZATION: dict[str, tuple[float, float]] = {
     "kv_utilisation": (0.0, 1.0),
     "num_waiting": (0.0, 128.0),
     "oldest_wait_steps": (0.0, 64.0),
+    "candidate_resident_tokens": (0.0, 8192.0),
 }
 
 #: Upper clip of every normalised feature (the lower clip is 0).
@@ -110,8 +120,6 @@ STOP, ADD = 0, 1
 DEFAULT_NUM_CANDIDATES = 1
 
 NUM_FEATURES = len(FEATURE_NAMES)
-(_NUM_RUNNING, _CHUNK_LOSS, _SAME_PREFIX, _COMMON_PREFIX, _CONTEXT, _RESUMABLE, _KV_UTILISATION, _NUM_WAITING,
- _OLDEST_WAIT) = range(NUM_FEATURES)
 _OFFSET = np.array([OBS_NORMALIZATION[n][0] for n in FEATURE_NAMES], dtype=np.float32)
 _INV_SCALE = np.array([1.0 / OBS_NORMALIZATION[n][1] for n in FEATURE_NAMES], dtype=np.float32)
 #: The compiled arithmetic of the features above (``feather_gym/native/observation.cpp``: its column
@@ -187,17 +195,26 @@ class AdmissionView(Protocol):
         (``shared_blocks`` for a dense model; up to the deepest kept recurrent state for a hybrid)."""
         ...
 
+    def resident_blocks(self, request_id) -> int:
+        """How many of the request's leading full blocks the KV cache holds now (running or not,
+        as a prefix-cache hit finds them; none evicted), at most ``(context_tokens - 1) //
+        block size``: the hit its admission would take, before :meth:`resumable_blocks`.
+        Reads the cache; changes nothing."""
+        ...
+
 
 def _kernel_inputs(view: AdmissionView, candidates) -> tuple:
     """What :data:`_KERNEL` turns into features: the candidates' CHT statistics, their context
-    tokens and resumable blocks, the view's own figures (read once) and the block size."""
+    tokens, resumable shared blocks and resumable resident blocks, the view's own figures (read
+    once) and the block size."""
     tree = view.tree
     stats = tree.candidate_rows(candidates)
     contexts = [view.context_tokens(candidate) for candidate in candidates]
     resumable = [view.resumable_blocks(candidate, row[0]) for candidate, row in zip(candidates, stats.tolist())]
+    resident = [view.resumable_blocks(candidate, view.resident_blocks(candidate)) for candidate in candidates]
     scalars = (view.num_running, tree.running_common_prefix * tree.chunk_size, view.kv_utilisation,
                tree.num_waiting, view.oldest_wait_steps)
-    return stats, contexts, resumable, scalars, tree.chunk_size
+    return stats, contexts, resumable, resident, scalars, tree.chunk_size
 
 
 def raw_feature_rows(view: AdmissionView, candidates) -> np.ndarray:

@@ -15,8 +15,6 @@ FCFSOrder          earliest arrival; preempted requests first (vLLM v1 FCFS)    
 CHTOrder           ``ChunkedHashTree.find_best()``: fewest chunks missing from the   the CHT's (O(log W))
                    running working set; ``candidates(k)``: the best of each of the
                    k best prefix groups (``top_candidates``)
-ResidentFirstOrder ``CHTOrder``'s candidates of its ``groups`` best prefix groups,       the CHT's + O(groups x
-                   deepest prefix resident in the KV cache first (simulator-only)   depth) per proposal
 LPMOrder           longest prefix resident in the KV cache (SGLang LPM); FCFS when   O(W x depth) per step
                    more than ``fcfs_beyond`` requests wait
 DFSWeightOrder     SGLang DFS-weight: depth-first over the cached-prefix tree,       O(W x depth) per step
@@ -114,33 +112,6 @@ class CHTOrder(WaitingOrder):
 
     def candidates(self, k: int) -> list[int]:
         return self.sim.cht.top_candidates(k)
-
-
-class ResidentFirstOrder(CHTOrder):
-    """The CHT's candidates reordered by what the KV cache holds: the best waiting request of each
-    of the CHT's ``groups`` best prefix groups, the deepest prefix resident in the KV cache first
-    (running or not, as LPM counts it), ties in the CHT's order.
-
-    ``peek()`` is ``candidates(k)[0]`` for any ``k``: the choice is always among ``groups`` groups.
-    The CHT ranks groups against the running set only, so a group whose prefix is still cached
-    but no longer running ranks as cold there; this order sees it. Simulator-only: the Feather
-    scheduler's view of vLLM has no KV residency.
-    """
-
-    def __init__(self, groups: int = 4) -> None:
-        if groups < 1:
-            raise ValueError(f"groups must be >= 1, got {groups}")
-        self.groups = groups
-
-    def peek(self) -> int | None:
-        found = self.candidates(1)
-        return found[0] if found else None
-
-    def candidates(self, k: int) -> list[int]:
-        sim = self.sim
-        found = sim.cht.top_candidates(max(k, self.groups))
-        resident = {idx: sim.kv.cached_prefix(sim.digest_lists[idx]) for idx in found}
-        return sorted(found, key=lambda idx: -resident[idx])[:k]     # stable: the CHT's order among equals
 
 
 class _PerStepOrder(FCFSOrder):

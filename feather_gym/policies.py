@@ -22,6 +22,8 @@ cht             CHTOrder          always ADD: the Feather scheduler's order with
 feather-rule    CHTOrder          the threshold rule of the Feather vLLM pull request
 feather-hold    CHTOrder          the rule holding new requests for :data:`DEFAULT_HOLD_STEPS`
                                   engine steps while a batch runs (:func:`feather_hold`)
+feather-        CHTOrder, k = 4   the hold on the one of the CHT's 4 best groups' candidates whose
+resident                          prefix the KV cache holds deepest (:class:`ResidentFirstRule`)
 cht-dfs         CHTOrder, k = 4   always admits, choosing among the CHT's 4 candidate groups
                                   the one with the most waiting requests (DFS-weight's
                                   heavier-subtree-first as a k-way choice)
@@ -42,9 +44,6 @@ rule-playout-   CHTOrder, k = 4   ``rule-playout`` taking the action whose playo
 goodput                           requests within the device's default SLO; simulator-only and
                                   clairvoyant (``rule-playout-sampled-goodput``: on 4 sampled
                                   futures, as ``rule-playout-sampled``)
-rule-resident-  ResidentFirst-    the rule on the first of the CHT's 4 best groups' candidates
-first           Order             reordered by KV residency (:class:`ResidentFirstRule`);
-                                  simulator-only
 PATH.onnx       CHTOrder, its k   a trained policy's greedy action on the observation
 ==============  ================  ============================================================
 
@@ -58,7 +57,7 @@ from abc import ABC, abstractmethod
 
 import numpy as np
 
-from feather_gym.observation import ADD, DEFAULT_NUM_CANDIDATES, FEATURE_INDEX, STOP
+from feather_gym.observation import ADD, DEFAULT_NUM_CANDIDATES, FEATURE_INDEX, STOP, check_num_candidates
 from feather_gym.orderings import (
     CHTOrder,
     DFSWeightOrder,
@@ -66,7 +65,6 @@ from feather_gym.orderings import (
     GroupOrder,
     HRRNOrder,
     LPMOrder,
-    ResidentFirstOrder,
     WaitingOrder,
 )
 from feather_gym.slo import DEFAULT_SLOS
@@ -83,8 +81,8 @@ def check_max_wait_steps(steps: int) -> int:
     if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 0:
         raise ValueError(f"max_wait_steps must be a whole number of engine steps >= 0, got {steps!r}")
     return int(steps)
-_LOSS, _SAME, _WAITED = (FEATURE_INDEX["chunk_loss_tokens"], FEATURE_INDEX["same_prefix_waiting"],
-                         FEATURE_INDEX["oldest_wait_steps"])
+_LOSS, _SAME, _WAITED, _RESIDENT = (FEATURE_INDEX["chunk_loss_tokens"], FEATURE_INDEX["same_prefix_waiting"],
+                                    FEATURE_INDEX["oldest_wait_steps"], FEATURE_INDEX["candidate_resident_tokens"])
 
 
 class Policy(ABC):
@@ -182,17 +180,20 @@ class FeatherRule(Policy):
         return min(self.max_floor, self.floor_start + self._refused_steps // self.floor_growth_steps)
 
     def decide(self, point) -> int:
+        return ADD if self._admits(point, point.raw) else STOP
+
+    def _admits(self, point, raw) -> bool:
+        """Rules 1-4 on the candidate whose raw features are ``raw`` (counting a refusal)."""
         if point.batch_size == 0:
-            return ADD
-        raw = point.raw
+            return True
         crowded = raw[_SAME] + 1 >= self.crowded_waiting
         if raw[_LOSS] > (self.crowded_loss_limit_tokens if crowded else self.loss_limit_tokens):
             if point.step != self._last_refused_step:
                 self._last_refused_step = point.step
                 self._refused_steps += 1
             if point.batch_size >= self.floor:
-                return STOP
-        return STOP if raw[_WAITED] < self.hold_steps else ADD
+                return False
+        return raw[_WAITED] >= self.hold_steps
 
 
 #: The hold of ``feather-hold``, in engine steps: chosen on the CPU training mix (its generators'
@@ -211,15 +212,28 @@ def feather_hold(hold_steps: int = DEFAULT_HOLD_STEPS) -> FeatherRule:
 
 
 class ResidentFirstRule(FeatherRule):
-    """The Feather rule deciding on :class:`~feather_gym.orderings.ResidentFirstOrder`'s candidates:
-    what the rule would gain if the scheduler saw which prefixes the KV cache still holds (LPM's
-    information), which the observation and the CHT do not. A reference for the policy class,
-    not a policy to deploy."""
+    """The Feather rule on the CHT's candidate whose prefix the KV cache holds deepest.
 
-    name = "rule-resident-first"
+    Of the candidates of the CHT's ``num_candidates`` best prefix groups it takes the one with
+    the most ``candidate_resident_tokens`` (ties: the CHT's order, so with nothing resident it
+    is the rule's own candidate) and admits it when the rule would admit it in slot 0 (rules
+    1-4 on its row). It holds new requests as ``feather-hold`` does (``hold_steps``, by default
+    :data:`DEFAULT_HOLD_STEPS`, which the same check on the training mix chose for it). The CHT
+    ranks groups against the running set only, so a group whose requests finished while its
+    prefix stays cached ranks cold there; the KV cache's residency (SGLang LPM's information)
+    is what this adds. Deployable (reads only ``raw_rows``); state: the rule's floor.
+    """
 
-    def make_order(self) -> WaitingOrder:
-        return ResidentFirstOrder()
+    name = "feather-resident"
+
+    def __init__(self, num_candidates: int = 4, *, hold_steps: int = DEFAULT_HOLD_STEPS, **rule) -> None:
+        super().__init__(hold_steps=hold_steps, **rule)
+        self.num_candidates = check_num_candidates(num_candidates)
+
+    def decide(self, point) -> int:
+        rows = point.raw_rows[:len(point.candidates)]
+        slot = int(np.argmax(rows[:, _RESIDENT]))          # the first of equals
+        return ADD + slot if self._admits(point, rows[slot]) else STOP
 
 
 def hrrn() -> AlwaysAdd:
@@ -396,8 +410,7 @@ SIMULATOR_ONLY = {"rule-playout": RulePlayout,
                   "rule-playout-sampled": lambda: RulePlayout(samples=DEFAULT_PLAYOUT_SAMPLES),
                   "rule-playout-goodput": lambda: RulePlayout(objective="goodput"),
                   "rule-playout-sampled-goodput": lambda: RulePlayout(samples=DEFAULT_PLAYOUT_SAMPLES,
-                                                                      objective="goodput"),
-                  "rule-resident-first": ResidentFirstRule}
+                                                                      objective="goodput")}
 #: The playout references of :mod:`trainer.headroom`.
 PLAYOUT_REFERENCES = ("rule-playout", "rule-playout-sampled")
 
@@ -409,6 +422,7 @@ BASELINES = {
     "hrrn": hrrn,
     "feather-rule": FeatherRule,
     "feather-hold": feather_hold,
+    "feather-resident": ResidentFirstRule,
     "cht-dfs": HeaviestGroup,
     "group-label": GroupLabelPolicy,
 }

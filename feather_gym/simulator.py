@@ -259,10 +259,11 @@ class Simulator:
     ``order`` proposes candidates; ``digests`` (from :func:`trace_digests` at the engine's
     block size, ``config.resolve(cost_model).block_size``) may be passed to share the hashing
     across runs of one trace. ``num_candidates`` is how many candidates a decision offers (the
-    policy's ``k``, :mod:`feather_gym.observation`). It implements :class:`~feather_gym.observation.AdmissionView`
-    (``tree``, ``num_running``, ``kv_utilisation``, ``oldest_wait_steps``, ``context_tokens``) and
-    :meth:`wait_steps`. Public read-only state used by orderings and observations: ``now_s``, ``step``, ``cht``,
-    ``kv``, ``running`` (dict, admission order), ``digest_lists`` (prompt digests),
+    policy's ``k``, :mod:`feather_gym.observation`). It implements
+    :class:`~feather_gym.observation.AdmissionView` (``tree``, ``num_running``, ``kv_utilisation``,
+    ``oldest_wait_steps``, ``context_tokens``, ``resident_blocks``, ``resumable_blocks``) and
+    :meth:`wait_steps`. Public read-only state used by orderings and observations: ``now_s``,
+    ``step``, ``cht``, ``kv``, ``running`` (dict, admission order), ``digest_lists`` (prompt digests),
     ``group_of``; counter ``tokens_out``.
     """
 
@@ -445,6 +446,13 @@ class Simulator:
 
     def context_tokens(self, idx: int) -> int:
         return self._input_len[idx] + self._emitted[idx]
+
+    def resident_blocks(self, idx: int) -> int:
+        """``idx``'s leading full blocks registered in the prefix cache (referenced or not), at most
+        all its tokens but the last: the hit :meth:`_fitting_hits` would take, before a hybrid
+        model's state lookup."""
+        bs, context = self.block_size, self.context_tokens(idx)
+        return len(self.kv.hit_blocks(self._chain(idx, context // bs), (context - 1) // bs))
 
     def resumable_blocks(self, idx: int, shared_blocks: int) -> int:
         """Of ``idx``'s first ``shared_blocks`` blocks, those a hit can resume: all of them for a

@@ -20,7 +20,7 @@ from deploy.admission import FCFSAdmission, PolicyAdmission
 from deploy.scheduler import FeatherConfig, PolicyStartupError, build_admission
 from deploy.vllm_request import vllm_request
 from deploy.waiting_queue import CHTWaitingQueue
-from feather_gym.policies import DEFAULT_HOLD_STEPS, FeatherRule, OnnxFilePolicy, make_policy
+from feather_gym.policies import DEFAULT_HOLD_STEPS, FeatherRule, OnnxFilePolicy, ResidentFirstRule, make_policy
 from traces.chunk_hash import block_hash_digests
 
 BLOCK = 16
@@ -59,6 +59,11 @@ def admit(queue):
     return queue.pop_request().request_id
 
 
+def nothing_resident(request) -> int:
+    """A prefix cache that holds nothing (these queues have no KV cache)."""
+    return 0
+
+
 class Running:
     """What PolicyAdmission reads from the scheduler: the running count, here settable."""
 
@@ -71,7 +76,7 @@ class Running:
 
 def policy_admission(path, running: Running, **kwargs) -> PolicyAdmission:
     return PolicyAdmission(OnnxFilePolicy(str(path)), num_running=running, kv_usage=lambda: 0.25,
-                           **{"max_num_seqs": 256, **kwargs})
+                           **{"max_num_seqs": 256, "resident_tokens": nothing_resident, **kwargs})
 
 
 def test_block_hash_digests_follow_vllm_prefixes():
@@ -136,13 +141,26 @@ def test_deployed_hold_admits_once_the_oldest_request_has_waited_its_hold():
     1 and 2 (it has waited 0 and 1 steps) and admitted in step 3, by the rule, not the bound."""
     queue, _ = make_queue({"a": (1,)})
     admission = PolicyAdmission(make_policy("feather-hold"), num_running=Running(1), kv_usage=lambda: 0.0,
-                                max_num_seqs=256)
+                                max_num_seqs=256, resident_tokens=nothing_resident)
     for _ in range(DEFAULT_HOLD_STEPS):
         with queue.admitting(admission):
             assert not queue
     with queue.admitting(admission):
         assert admit(queue) == "a"
     assert admission.stats.stops == DEFAULT_HOLD_STEPS and admission.stats.forced_wait == 0
+
+
+def test_deployed_resident_rule_admits_the_candidate_the_prefix_cache_holds():
+    """``feather-resident`` deployed reads each candidate's resident prefix from the engine's hook
+    (here: "b"'s first block is cached), and admits it ahead of the CHT's own first candidate."""
+    queue, _ = make_queue({"a": (1, 2), "b": (3, 4), "c": (5, 6)})
+    resident = {"b": BLOCK + 3}                        # whole blocks only count
+    admission = PolicyAdmission(ResidentFirstRule(hold_steps=0), num_running=Running(1), kv_usage=lambda: 0.0,
+                                max_num_seqs=256, resident_tokens=lambda request: resident.get(request.request_id, 0))
+    with queue.admitting(admission):
+        assert admit(queue) == "b"
+        assert admit(queue) == "a"                     # nothing else resident: the CHT's order
+    assert admission.stats.adds == 2
 
 
 def test_wait_steps_count_engine_steps_since_arrival_and_survive_preemption():
@@ -181,7 +199,8 @@ def test_runtime_policy_failure_falls_back_to_fcfs_for_the_step(files, kind, cap
     policy = RaisingPolicy() if kind == "raises" else OnnxFilePolicy(str(files["nan"]))
     queue, _ = make_queue({"a": (1,), "b": (2,), "c": (1, 3), "d": (4,)})
     running = Running(1)
-    admission = PolicyAdmission(policy, num_running=running, kv_usage=lambda: 0.0, max_num_seqs=256)
+    admission = PolicyAdmission(policy, num_running=running, kv_usage=lambda: 0.0, max_num_seqs=256,
+                                resident_tokens=nothing_resident)
     with caplog.at_level(logging.WARNING, logger="deploy.admission"):
         with queue.admitting(admission):
             assert [admit(queue) for _ in range(2)] == ["a", "b"]   # FCFS, one failure for the step
@@ -234,7 +253,8 @@ def test_feather_config_from_additional_config(tmp_path):
                                            ("old_version", "feather-obs-0"), (None, "no policy configured")])
 def test_unusable_policy_at_start_refuses_or_falls_back(files, name, message, caplog):
     path = None if name is None else str(files[name])
-    hooks = {"num_running": lambda: 0, "kv_usage": lambda: 0.0, "max_num_seqs": 256}
+    hooks = {"num_running": lambda: 0, "kv_usage": lambda: 0.0, "max_num_seqs": 256,
+             "resident_tokens": nothing_resident}
     with pytest.raises(PolicyStartupError, match=f"refuses to start: .*{message}"):
         build_admission(FeatherConfig(policy=path), **hooks)
     with caplog.at_level(logging.WARNING, logger="deploy.scheduler"):
@@ -245,7 +265,8 @@ def test_unusable_policy_at_start_refuses_or_falls_back(files, name, message, ca
 
 def test_usable_policy_builds_a_policy_admission(files):
     admission = build_admission(FeatherConfig(policy=str(files["add"]), max_wait_steps=4),
-                                num_running=lambda: 0, kv_usage=lambda: 0.0, max_num_seqs=256)
+                                num_running=lambda: 0, kv_usage=lambda: 0.0, max_num_seqs=256,
+                                resident_tokens=nothing_resident)
     assert isinstance(admission, PolicyAdmission) and admission.max_wait_steps == 4
     for bad in (-1, 2.5, True, "10"):
         with pytest.raises(ValueError, match="max_wait_steps must be a whole number"):
@@ -261,7 +282,8 @@ def test_serving_with_another_waiting_bound_than_trained_warns(files, tmp_path, 
     trained = tmp_path / "bound-32.onnx"
     export_policy_module(torch.nn.Linear(observation_size(1), 2), trained, profile="cpu", workload="prefix-groups",
                          observations=np.zeros((4, observation_size(1)), np.float32), max_wait_steps=32)
-    hooks = {"num_running": lambda: 0, "kv_usage": lambda: 0.0, "max_num_seqs": 256}
+    hooks = {"num_running": lambda: 0, "kv_usage": lambda: 0.0, "max_num_seqs": 256,
+             "resident_tokens": nothing_resident}
     with caplog.at_level(logging.WARNING, logger="deploy.scheduler"):
         build_admission(FeatherConfig(policy=str(trained), max_wait_steps=32), **hooks)
         assert "trained with max_wait_steps" not in caplog.text
@@ -279,13 +301,15 @@ def test_serving_with_another_waiting_bound_than_trained_warns(files, tmp_path, 
 
 
 def test_the_feather_rule_is_deployable_and_fcfs_orderings_are_refused():
-    hooks = {"num_running": lambda: 0, "kv_usage": lambda: 0.0, "max_num_seqs": 256}
+    hooks = {"num_running": lambda: 0, "kv_usage": lambda: 0.0, "max_num_seqs": 256,
+             "resident_tokens": nothing_resident}
     admission = build_admission(FeatherConfig(policy="feather-rule"), **hooks)
     assert isinstance(admission, PolicyAdmission) and isinstance(admission.policy, FeatherRule)
-    for name in ("cht", "cht-dfs", "feather-hold"):   # the CHT's order: no STOPs / a group chosen / held
+    for name in ("cht", "cht-dfs", "feather-hold", "feather-resident"):   # the CHT's order: no STOPs / a group
+        # chosen / held / the deepest resident chosen
         assert build_admission(FeatherConfig(policy=name), **hooks).policy.name == name
     for name in ("fcfs", "dfs", "hrrn", "group-label", "rule-playout", "rule-playout-sampled",
-                 "rule-playout-goodput", "rule-playout-sampled-goodput", "rule-resident-first"):
+                 "rule-playout-goodput", "rule-playout-sampled-goodput"):
         with pytest.raises(PolicyStartupError, match="cannot run in the Feather scheduler"):
             build_admission(FeatherConfig(policy=name), **hooks)
 
@@ -296,7 +320,7 @@ def test_deployed_rule_stops_a_candidate_of_another_prefix():
     queue, _ = make_queue({"a": tuple(range(1, 1 + 6 * 16)), "b": tuple(range(200, 200 + 6 * 16))})
     running = Running()
     admission = PolicyAdmission(FeatherRule(), num_running=running, kv_usage=lambda: 0.0, max_num_seqs=256,
-                                max_wait_steps=10**9)
+                                resident_tokens=nothing_resident, max_wait_steps=10**9)
     with queue.admitting(admission):
         assert admit(queue) == "a"
         running.n = 1
@@ -315,7 +339,7 @@ def test_full_batch_ends_admission_without_asking(files):
 def test_a_bug_in_building_the_observation_raises_instead_of_falling_back(files):
     queue, _ = make_queue({"a": (1,), "b": (2,)})
     admission = PolicyAdmission(OnnxFilePolicy(str(files["add"])), num_running=Running(1), max_num_seqs=256,
-                                kv_usage=lambda: 1 / 0)
+                                kv_usage=lambda: 1 / 0, resident_tokens=nothing_resident)
     with queue.admitting(admission), pytest.raises(ZeroDivisionError):
         bool(queue)
     assert admission.stats.fallbacks == 0
@@ -370,7 +394,7 @@ def test_a_hybrid_engines_view_counts_only_resumable_shared_blocks(files):
     for resumable in (None, lambda request, shared: min(shared, 1)):   # dense; a state kept at block 1
         queue, _ = make_queue({"a": (1, 2, 3, 4), "b": (1, 2, 3, 9)})
         admission = PolicyAdmission(Recording(), num_running=running, kv_usage=lambda: 0.0, max_num_seqs=8,
-                                    resumable=resumable)
+                                    resident_tokens=nothing_resident, resumable=resumable)
         running.n = 0
         with queue.admitting(admission):
             assert admit(queue) == "a"

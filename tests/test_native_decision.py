@@ -32,7 +32,7 @@ from feather_gym.policy_runtime import OnnxPolicy, PolicyOutputError, dense_laye
 
 
 class View:
-    """An AdmissionView with made-up figures; resumable is a fixed share of the shared blocks."""
+    """An AdmissionView with made-up figures; resumable is a fixed share of the blocks asked about."""
 
     def __init__(self, tree: ChunkedHashTree, seed: int) -> None:
         rng = np.random.default_rng(seed)
@@ -41,9 +41,13 @@ class View:
         self.kv_utilisation = float(rng.uniform())
         self.oldest_wait_steps = int(rng.integers(0, 100))
         self._context = {request_id: int(rng.integers(1, 20_000)) for request_id in tree.waiting_ids()}
+        self._resident = {request_id: int(rng.integers(0, 40)) for request_id in tree.waiting_ids()}
 
     def context_tokens(self, request_id) -> int:
         return self._context[request_id]
+
+    def resident_blocks(self, request_id) -> int:
+        return self._resident[request_id]
 
     def resumable_blocks(self, request_id, shared_blocks: int) -> int:
         return shared_blocks // 2
@@ -75,6 +79,8 @@ def expected_row(view: View, request_id) -> list[float]:
     row[FEATURE_INDEX["kv_utilisation"]] = view.kv_utilisation
     row[FEATURE_INDEX["num_waiting"]] = tree.num_waiting
     row[FEATURE_INDEX["oldest_wait_steps"]] = view.oldest_wait_steps
+    row[FEATURE_INDEX["candidate_resident_tokens"]] = (
+        view.resumable_blocks(request_id, view.resident_blocks(request_id)) * tree.chunk_size)
     return row
 
 
@@ -114,7 +120,7 @@ def test_the_observation_is_the_normalised_rows_then_the_slot_masks(filled):
 
 def _matmul_add_policy(path, activation: str):
     """A two-layer network written as MatMul + Add nodes by hand (not the exporter's Gemm)."""
-    source = policies.untrained_policy(path.with_suffix(".gemm.onnx"))
+    source = policies.untrained_policy(path.with_suffix(".gemm.onnx"), k=4)
     model = onnx.load(source)
     weights = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
     (w1, b1), (w2, b2) = [(weights[n.input[1]], weights[n.input[2]]) for n in model.graph.node if n.op_type == "Gemm"]

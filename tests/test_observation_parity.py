@@ -5,14 +5,19 @@ vLLM ``Request`` objects with the engine's sha256 block hashes, no engine), and 
 build the observation through :func:`feather_gym.observation.raw_features`; the vectors must
 be equal, also when the two sides run at different block sizes and with k candidate slots
 (the same CHT candidates, rows and mask), and a trained policy must then take the same action
-on both. For a hybrid model with SuffixReplay, the simulator's kept states and anchored pages
-are put into :class:`~deploy.replay_scheduler.FeatherReplayScheduler` (model-free, the tiny
-hybrid's cache layout), whose ``resumable_blocks`` the deployed view then reads.
+on both. Each candidate's resident prefix is looked up in a real vLLM prefix cache (a
+model-free scheduler's block pool) holding the blocks of every request the simulator has
+admitted, as far as the simulator still holds them. For a hybrid model with SuffixReplay, the
+simulator's kept states and anchored pages are put into
+:class:`~deploy.replay_scheduler.FeatherReplayScheduler` (model-free, the tiny hybrid's cache
+layout), whose ``resumable_blocks`` the deployed view then reads.
 """
 
 from __future__ import annotations
 
+import math
 import time
+from functools import cache
 
 import deploy_policies as policies
 import numpy as np
@@ -62,11 +67,25 @@ def workload() -> Trace:
     return Trace("parity", requests)
 
 
-def simulator_at_decision(block_size: int, decisions: int, k: int = 1, hybrid=None):
-    """``(simulator, point)``: the simulator with ``k`` candidate slots (and the hybrid mode
-    ``hybrid``) paused at its ``decisions``-th admission point (ADD before it)."""
+def returning_workload() -> Trace:
+    """Group A's first two requests run and finish; 5 s later a loner, A's third request and two
+    of group B arrive: A's prefix is still cached, and nothing of it runs."""
+    a, b = tokens(1, 1024), tokens(2, 512)
+    requests = [Request("a0", 0.0, 1280, 4, token_ids=np.concatenate([a, tokens(10, 256)])),
+                Request("a1", 0.0, 1280, 4, token_ids=np.concatenate([a, tokens(11, 256)])),
+                Request("loner", 5.0, 768, 40, token_ids=tokens(12, 768))]
+    requests += [Request(f"{name}{i}", 5.001 + 0.001 * i, len(prefix) + 256, 8,
+                         token_ids=np.concatenate([prefix, tokens(20 + 3 * i + len(name), 256)]))
+                 for i in range(2) for name, prefix in (("a-again", a), ("b", b))]
+    return Trace("returning", requests)
+
+
+def simulator_at_decision(block_size: int, decisions: int, k: int = 1, hybrid=None, trace=None):
+    """``(simulator, point)``: the simulator over ``trace`` (default :func:`workload`) with ``k``
+    candidate slots (and the hybrid mode ``hybrid``) paused at its ``decisions``-th admission
+    point (ADD before it)."""
     config = EngineConfig(block_size=block_size, token_budget=2048, kv_capacity_tokens=96 * 256, hybrid=hybrid)
-    sim = Simulator(workload(), load_cost_model("cpu"), CHTOrder(), config=config, num_candidates=k)
+    sim = Simulator(trace or workload(), load_cost_model("cpu"), CHTOrder(), config=config, num_candidates=k)
     for _ in range(decisions - 1):
         assert sim.next_admission() is not None
         sim.apply(ADD)
@@ -96,6 +115,37 @@ def scheduler_queue_like(sim: Simulator, block_size: int, base_time: float) -> C
     return queue
 
 
+@cache
+def engine_scheduler(block_size: int):
+    """A model-free vLLM scheduler with the Feather plug-in at ``block_size`` (its block pool is
+    the prefix cache the deployed view reads)."""
+    from deploy.model_free import model_free_scheduler
+    from deploy.scheduler import FeatherConfig, FeatherScheduler
+
+    return model_free_scheduler(FeatherScheduler, block_size=block_size, num_blocks=4096, max_num_seqs=256,
+                                max_num_batched_tokens=2048, max_model_len=8192,
+                                feather_config=FeatherConfig(policy="feather-rule"))
+
+
+def engine_prefix_cache_like(sim: Simulator, block_size: int):
+    """The Feather scheduler's ``resident_tokens`` hook over a vLLM prefix cache holding what
+    ``sim``'s holds: the leading prompt blocks of every request ``sim`` has admitted that ``sim``
+    still holds (cached, then freed: resident and unreferenced), at ``block_size``, hashed by vLLM."""
+    scheduler = engine_scheduler(block_size)
+    pool = scheduler.kv_cache_manager.block_pool
+    assert pool.reset_prefix_cache()
+    for idx, r in enumerate(sim.trace.requests):
+        if math.isnan(sim.first_scheduled_s[idx]):
+            continue
+        held = sim.kv.cached_prefix(sim.digest_lists[idx]) * sim.block_size // block_size
+        if held:
+            request = vllm_request(r.request_id, r.tokens(), block_size=block_size, arrival_time=0.0)
+            blocks = pool.get_new_blocks(held)
+            pool.cache_full_blocks(request, blocks, 0, held, block_size, 0)
+            pool.free_blocks(blocks)
+    return scheduler._resident_prefix_tokens
+
+
 def deployed_point(sim: Simulator, block_size: int, policy, resumable=None):
     """The decision the deployed admission makes in ``sim``'s state, with ``policy`` (and a
     hybrid scheduler's ``resumable_blocks``)."""
@@ -103,7 +153,8 @@ def deployed_point(sim: Simulator, block_size: int, policy, resumable=None):
     queue = scheduler_queue_like(sim, block_size, base)
     recorder = Recorder(sim.num_candidates)
     admission = PolicyAdmission(recorder, num_running=lambda: len(sim.running), kv_usage=lambda: sim.kv_utilisation,
-                                max_num_seqs=256, max_wait_steps=10**9, resumable=resumable)
+                                max_num_seqs=256, resident_tokens=engine_prefix_cache_like(sim, block_size),
+                                max_wait_steps=10**9, resumable=resumable)
     admission.begin_step()
     assert admission.next_admission(queue) is not None
     (point,) = recorder.points
@@ -154,6 +205,23 @@ def test_the_states_offer_several_candidates_and_leave_slots_empty():
     """The states above are neither one-candidate states nor all full (the tests would be vacuous)."""
     counts = [len(simulator_at_decision(128, d, k=12)[1].candidates) for d in (1, 2, 4, 6)]
     assert max(counts) > 1 and min(counts) < 12, counts
+
+
+@pytest.mark.parametrize("sim_block, engine_block", [(128, 128), (256, 16)])
+def test_a_prefix_cached_but_no_longer_running_reads_alike_on_both_sides(sim_block, engine_block):
+    """``candidate_resident_tokens`` from the simulator's prefix cache and from vLLM's block pool
+    (``find_longest_cache_hit``) agree, in every row, also where a candidate's prefix is resident
+    while nothing running shares it (its cached fraction 0, its resident tokens not)."""
+    resident, fraction = FEATURE_NAMES.index("candidate_resident_tokens"), FEATURE_NAMES.index(
+        "candidate_cached_fraction")
+    cold_but_cached = 0
+    for decisions in range(1, 5):
+        sim, sim_point = simulator_at_decision(sim_block, decisions, k=4, trace=returning_workload())
+        engine_point, _ = deployed_point(sim, engine_block, None)
+        np.testing.assert_allclose(engine_point.raw_rows, sim_point.raw_rows, rtol=1e-6, atol=1e-9)
+        rows = sim_point.raw_rows[:len(sim_point.candidates)]
+        cold_but_cached += int(np.sum((rows[:, resident] > 0) & (rows[:, fraction] == 0)))
+    assert cold_but_cached, "no state had a candidate whose prefix is cached but not running"
 
 
 def test_a_k4_policy_takes_the_same_action_on_both_sides(tmp_path):
@@ -229,3 +297,26 @@ def test_a_replay_scheduler_and_the_simulator_with_anchors_build_the_same_observ
             deepened += sim.states.anchors.deepest(chain, shared) > sim.states.registry.deepest(chain, shared)
             short += sim.resumable_blocks(idx, shared) < shared
     assert deepened and short, (deepened, short)
+
+
+def test_on_a_hybrid_engine_the_resident_prefix_is_the_attention_groups_hit():
+    """vLLM's combined hit needs a recurrent state at its boundary too (none kept here: 0 tokens);
+    the view's resident prefix is the full-attention group's hit, which ``resumable_blocks``
+    then cuts to what the kept states resume, as the simulator's hybrid mode does."""
+    from deploy.hybrid_placement import FeatherHybridScheduler, HybridPlacementConfig
+    from deploy.model_free import model_free_scheduler
+    from deploy.scheduler import FeatherConfig
+
+    scheduler = model_free_scheduler(
+        FeatherHybridScheduler, block_size=128, num_blocks=400, max_num_seqs=256, max_num_batched_tokens=2048,
+        max_model_len=8192, hybrid=True, enforce_eager=True, feather_config=FeatherConfig(policy="feather-rule"),
+        hybrid_config=HybridPlacementConfig(placement="vllm"))
+    coordinator, pool = scheduler.kv_cache_manager.coordinator, scheduler.kv_cache_manager.block_pool
+    request = vllm_request("x", tokens(7, 5 * 128), block_size=128, arrival_time=0.0)
+    assert scheduler._resident_prefix_tokens(request) == 0
+    blocks = pool.get_new_blocks(3)
+    pool.cache_full_blocks(request, blocks, 0, 3, 128, coordinator.full_attention_group_id)
+    pool.free_blocks(blocks)
+    assert scheduler._resident_prefix_tokens(request) == 3 * 128
+    assert coordinator.find_longest_cache_hit(request.block_hashes, request.num_tokens - 1)[1] == 0
+    assert scheduler.resumable_blocks(request, 3) == 0

@@ -8,13 +8,14 @@ import pytest
 
 from feather_gym.costmodel import load_cost_model
 from feather_gym.observation import ADD, FEATURE_INDEX, STOP
-from feather_gym.orderings import LPMOrder, ResidentFirstOrder
+from feather_gym.orderings import LPMOrder
 from feather_gym.policies import (
     DEFAULT_HOLD_STEPS,
     DEFAULT_PLAYOUT_SAMPLES,
     AlwaysAdd,
     FeatherRule,
     GroupLabelPolicy,
+    ResidentFirstRule,
     RulePlayout,
     make_policy,
     playout_futures,
@@ -73,7 +74,7 @@ UNBOUNDED_SERIAL = EngineConfig(block_size=BS, max_num_seqs=1, max_wait_steps=10
 def run_with_cached(trace, cost_model, policy_name, prefixes=(), config=SERIAL):
     """Simulate with ``prefixes`` already resident (cached, unreferenced) in the KV cache."""
     policy = make_policy(policy_name)
-    sim = Simulator(trace, cost_model, policy.make_order(), config=config)
+    sim = Simulator(trace, cost_model, policy.make_order(), config=config, num_candidates=policy.num_candidates)
     for prefix in prefixes:
         precache(sim, prefix)
     while (point := sim.next_admission()) is not None:
@@ -108,15 +109,43 @@ def test_lpm_falls_back_to_fcfs_beyond_its_queue_limit(h200):
     assert admission_order(sim.result())[0] == 0           # 4 waiting > 2: FCFS head first
 
 
-def test_rule_resident_first_takes_the_cached_groups_the_cht_ranks_cold(h200):
-    # P and Q are resident but nothing runs: the CHT ranks all four alike (arrival order), the
-    # residency-first order takes the cached groups first, as LPM does.
-    assert admission_order(run_with_cached(cached_prefix_trace(), h200, "feather-rule", [P, Q])) == [0, 1, 2, 3]
-    assert admission_order(run_with_cached(cached_prefix_trace(), h200, "rule-resident-first", [P, Q])) == [1, 2, 3, 0]
+def test_feather_resident_takes_the_cached_groups_the_cht_ranks_cold(h200):
+    """R decodes in a batch of two; W, X, Y1, Y2 (as in :func:`cached_prefix_trace`) then wait for
+    the other slot, with P and Q resident and nothing of them running. The CHT ranks the
+    waiting ones alike (arrival order); the resident rule takes the cached groups first, as LPM."""
+    trace = Trace("t", [req(4, 0.0, tokens(9, BS + 10), output_len=400)]
+                  + [Request(r.request_id, 0.01, r.input_len, r.output_len, token_ids=r.token_ids)
+                     for r in cached_prefix_trace().requests])
+    pair = EngineConfig(block_size=BS, max_num_seqs=2)
+    assert admission_order(run_with_cached(trace, h200, "feather-rule", [P, Q], config=pair)) == [0, 1, 2, 3, 4]
+    assert admission_order(run_with_cached(trace, h200, "feather-resident", [P, Q], config=pair)) == [0, 2, 3, 4, 1]
     # Nothing resident: the CHT's order.
-    assert admission_order(run_with_cached(cached_prefix_trace(), h200, "rule-resident-first")) == [0, 1, 2, 3]
-    with pytest.raises(ValueError, match="groups must be >= 1"):
-        ResidentFirstOrder(groups=0)
+    assert admission_order(run_with_cached(trace, h200, "feather-resident", config=pair)) == [0, 1, 2, 3, 4]
+
+
+def slots(batch_size, *rows, step=1, oldest_wait_steps=5):
+    """A decision point over ``len(rows)`` filled slots of 4; each row ``(resident_tokens, chunk_loss)``
+    (chunk loss in chunks of 256 tokens)."""
+    raw_rows = np.zeros((4, len(FEATURE_INDEX)))
+    for row, (resident, loss) in zip(raw_rows, rows):
+        row[FEATURE_INDEX["batch_size"]] = batch_size
+        row[FEATURE_INDEX["candidate_resident_tokens"]] = resident
+        row[FEATURE_INDEX["chunk_loss_tokens"]] = 256 * loss
+        row[FEATURE_INDEX["oldest_wait_steps"]] = oldest_wait_steps
+    return SimpleNamespace(batch_size=batch_size, raw_rows=raw_rows, raw=raw_rows[0], step=step,
+                           candidates=tuple(range(len(rows))))
+
+
+def test_feather_resident_decides_by_the_rule_on_the_deepest_resident_slot():
+    resident = ResidentFirstRule(hold_steps=0)
+    assert resident.num_candidates == 4 and make_policy("feather-resident").name == "feather-resident"
+    assert resident.decide(slots(3, (0, 0), (512, 0), (512, 0))) == ADD + 1           # the first of the deepest
+    assert resident.decide(slots(3, (0, 0), (0, 0))) == ADD                             # none resident: slot 0
+    assert resident.decide(slots(30, (0, 0), (1024, 9))) == STOP     # the rule refuses the chosen one: STOP,
+    assert resident.decide(slots(0, (0, 0), (1024, 9))) == ADD + 1   # not the next; an empty batch admits it
+    held = ResidentFirstRule(hold_steps=3)
+    assert held.decide(slots(3, (0, 0), (512, 0), oldest_wait_steps=2)) == STOP
+    assert held.decide(slots(3, (0, 0), (512, 0), oldest_wait_steps=3)) == ADD + 1
 
 
 def test_dfs_weight_visits_the_heavier_cached_subtree_first(h200):
@@ -341,10 +370,9 @@ def test_sampled_output_lengths_exceed_what_each_request_emitted():
 def test_make_policy_names_and_errors():
     assert make_policy("rule-playout").name == "rule-playout"
     assert make_policy("rule-playout-sampled").samples == DEFAULT_PLAYOUT_SAMPLES
-    assert make_policy("rule-resident-first").name == "rule-resident-first"
     with pytest.raises(ValueError, match="samples: at least 1"):
         RulePlayout(samples=0)
-    for name in ("fcfs", "lpm", "dfs", "hrrn", "feather-rule", "feather-hold", "group-label"):
+    for name in ("fcfs", "lpm", "dfs", "hrrn", "feather-rule", "feather-hold", "feather-resident", "group-label"):
         assert make_policy(name).name == name
     with pytest.raises(OSError, match="missing.onnx"):     # a policy file is loaded (and checked) when built
         make_policy("runs/missing.onnx")

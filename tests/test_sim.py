@@ -231,12 +231,13 @@ def test_observation_reflects_the_candidate(h200):
     point = sim.next_admission()                              # request 0 was admitted unasked
     assert point.batch_size == 1 and point.candidate in (1, 2)
     assert point.stats.chunk_loss == 0 and point.stats.shared_chunks == 10
+    assert point.raw[FEATURE_INDEX["candidate_resident_tokens"]] == 10 * BS    # request 0's prefix is cached
     sim.apply(ADD)
     point = sim.next_admission()
     sim.apply(ADD)
     point = sim.next_admission()
     assert point.candidate == 3 and point.stats.chunk_loss == 10
-    expected = [3, 10 * BS, 0, 10 * BS, 10 * BS + 50, 0.0, sim.kv.used_blocks / sim.kv.capacity_blocks, 1, 0.0]
+    expected = [3, 10 * BS, 0, 10 * BS, 10 * BS + 50, 0.0, sim.kv.used_blocks / sim.kv.capacity_blocks, 1, 0.0, 0.0]
     np.testing.assert_allclose(point.raw, expected)
     np.testing.assert_allclose(point.observation, normalise(np.array(expected)))
 

@@ -117,8 +117,8 @@ class Demonstrations:
 
 def demonstrator(policy_name: str):
     """The policy recorded for ``policy_name`` (a baseline of :data:`feather_gym.policies.BASELINES`):
-    the baseline itself, except the Feather rule (``feather-rule``, ``feather-hold``), which is
-    recorded in its steady state (see above)."""
+    the baseline itself, except the Feather rule (``feather-rule``, ``feather-hold``,
+    ``feather-resident``), which is recorded in its steady state (see above)."""
     from feather_gym.policies import FeatherRule, make_policy
 
     policy = make_policy(policy_name)

@@ -9,7 +9,8 @@ Four figures, each a distribution over ``iterations`` calls after a warm-up:
   ``kernel``);
 * ``decision``: a whole :meth:`PolicyAdmission.next_admission` inside a
   :class:`CHTWaitingQueue` (the CHT's candidates, their statistics, the observation, the policy)
-  with ``waiting`` real vLLM requests from a prefix-groups workload, ``running`` of them admitted.
+  with ``waiting`` real vLLM requests from a prefix-groups workload, ``running`` of them admitted
+  (the prefix cache holds their blocks, which each candidate's resident prefix is looked up in).
   The queue does not change between calls: what it costs to admit requests into a changing queue,
   against vLLM's own scheduler, is ``feather bench scheduler``'s.
 """
@@ -68,11 +69,17 @@ def bench_policy(policy_path: str, *, iterations: int = 20_000, waiting: int = 1
     now = time.time()
     for r in trace:
         queue.add_request(vllm_request(r.request_id, r.tokens(), block_size=block_size, arrival_time=now))
+    cached = set()
     for _ in range(running):
         queue.peek_request()
-        queue.pop_request()
+        cached.update(queue.pop_request().block_hashes)
+
+    def resident_tokens(request) -> int:
+        hashes = request.block_hashes[:(request.num_tokens - 1) // block_size]
+        return block_size * next((i for i, h in enumerate(hashes) if h not in cached), len(hashes))
+
     admission = PolicyAdmission(deployed, num_running=lambda: running, kv_usage=lambda: 0.5,
-                                max_num_seqs=waiting, max_wait_steps=10**9)
+                                max_num_seqs=waiting, resident_tokens=resident_tokens, max_wait_steps=10**9)
     report |= _percentiles_us(_time_calls(admission.next_admission, [queue] * (iterations + warmup), warmup),
                               "decision")
     report |= {"waiting": waiting - running, "running": running,

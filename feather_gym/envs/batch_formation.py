@@ -101,8 +101,8 @@ class BatchFormationEnv(gym.Env):
     check does in vLLM (so ADD on a slot 0 that does not fit is STOP, and another slot may fit).
 
     ## Observation Space
-    ``Box(0, OBS_CLIP, (observation_size(k),), float32)``, ``observation_size(k) = 9 k + k - 1``
-    (9 for ``k = 1``): ``k`` rows of the features of :mod:`feather_gym.observation`, one per
+    ``Box(0, OBS_CLIP, (observation_size(k),), float32)``, ``observation_size(k) = 10 k + k - 1``
+    (10 for ``k = 1``): ``k`` rows of the features of :mod:`feather_gym.observation`, one per
     candidate slot (empty slots all zeros), each feature divided by its scale and clipped to
     ``[0, 8]``, flattened row by row, then the validity mask of slots ``1 .. k - 1`` (1 filled,
     0 empty; slot 0 is always filled). The features of one row:
@@ -118,6 +118,7 @@ class BatchFormationEnv(gym.Env):
     | 6   | kv_utilisation               | fraction of KV blocks in use                         | 1     |
     | 7   | num_waiting                  | waiting requests                                     | 128   |
     | 8   | oldest_wait_steps            | engine steps the earliest-arrived waiting one waited | 64    |
+    | 9   | candidate_resident_tokens    | its prefix held in the KV cache, running or not      | 8192  |
 
     ## Rewards
     Every step: ``r = (tokens - b * elapsed_s) / T``, measured against FCFS on the same window:

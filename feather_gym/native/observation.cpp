@@ -6,9 +6,9 @@
 //
 // Inputs, per candidate i (c of them, 1 <= c <= k): its CHT statistics (a row of
 // ChunkedHashTree.candidate_rows: shared, missing, chunk_loss, same_prefix_waiting, num_chunks),
-// its context tokens and its resumable shared blocks; per decision: the running requests, the
-// running common prefix in tokens, the KV utilisation, the waiting requests, the oldest wait in
-// steps, and the block size in tokens.
+// its context tokens, its resumable shared blocks and its resumable resident blocks; per
+// decision: the running requests, the running common prefix in tokens, the KV utilisation, the
+// waiting requests, the oldest wait in steps, and the block size in tokens.
 //
 // Invariants: rows past c are zero; the observation is k rows normalised (clip((raw - offset) *
 // inv_scale, 0, clip)) and then the k - 1 slot masks (1 filled, 0 empty).
@@ -25,11 +25,11 @@ namespace py = pybind11;
 
 namespace {
 
-constexpr size_t kFeatures = 9;
+constexpr size_t kFeatures = 10;
 // Column order of feather_gym.observation.FEATURE_NAMES.
 enum Feature {
   kBatchSize, kChunkLoss, kSamePrefix, kCommonPrefix, kContext, kCachedFraction, kKvUtilisation, kNumWaiting,
-  kOldestWait
+  kOldestWait, kResident
 };
 // Columns of ChunkedHashTree.candidate_rows.
 enum Stat { kShared, kMissing, kLoss, kSame, kChunks };
@@ -52,25 +52,25 @@ class FeatureKernel {
 
   // Raw feature rows, float64 [k, F].
   py::array_t<double> raw_rows(const Stats& stats, const py::sequence& contexts, const py::sequence& resumable,
-                               const py::tuple& scalars, int64_t block, size_t k) const {
-    const size_t c = check(stats, contexts, resumable, scalars, k);
+                               const py::sequence& resident, const py::tuple& scalars, int64_t block, size_t k) const {
+    const size_t c = check(stats, contexts, resumable, resident, scalars, k);
     py::array_t<double> rows({k, kFeatures});
     double* out = rows.mutable_data();
     std::fill(out, out + k * kFeatures, 0.0);
-    for (size_t i = 0; i < c; ++i) fill_row(out + i * kFeatures, stats, contexts, resumable, scalars, block, i);
+    for (size_t i = 0; i < c; ++i) fill_row(out + i * kFeatures, stats, contexts, resumable, resident, scalars, block, i);
     return rows;
   }
 
   // The normalised observation, float32 [k * F + k - 1].
   py::array_t<float> observation(const Stats& stats, const py::sequence& contexts, const py::sequence& resumable,
-                                 const py::tuple& scalars, int64_t block, size_t k) const {
-    const size_t c = check(stats, contexts, resumable, scalars, k);
+                                 const py::sequence& resident, const py::tuple& scalars, int64_t block, size_t k) const {
+    const size_t c = check(stats, contexts, resumable, resident, scalars, k);
     py::array_t<float> obs(static_cast<py::ssize_t>(k * kFeatures + k - 1));
     float* out = obs.mutable_data();
     std::fill(out, out + k * kFeatures + k - 1, 0.0f);
     double row[kFeatures];
     for (size_t i = 0; i < c; ++i) {
-      fill_row(row, stats, contexts, resumable, scalars, block, i);
+      fill_row(row, stats, contexts, resumable, resident, scalars, block, i);
       for (size_t f = 0; f < kFeatures; ++f) {
         out[i * kFeatures + f] = normalised(row[f], f);
       }
@@ -103,13 +103,14 @@ class FeatureKernel {
   }
 
   static size_t check(const Stats& stats, const py::sequence& contexts, const py::sequence& resumable,
-                      const py::tuple& scalars, size_t k) {
+                      const py::sequence& resident, const py::tuple& scalars, size_t k) {
     const size_t c = stats.ndim() == 2 ? static_cast<size_t>(stats.shape(0)) : 0;
     if (stats.ndim() != 2 || stats.shape(1) != 5 || c < 1 || c > k) {
       throw std::invalid_argument("stats must be [c, 5] with 1 <= c <= k = " + std::to_string(k));
     }
-    if (static_cast<size_t>(py::len(contexts)) != c || static_cast<size_t>(py::len(resumable)) != c) {
-      throw std::invalid_argument("one context and one resumable count per candidate");
+    if (static_cast<size_t>(py::len(contexts)) != c || static_cast<size_t>(py::len(resumable)) != c ||
+        static_cast<size_t>(py::len(resident)) != c) {
+      throw std::invalid_argument("one context, one resumable and one resident count per candidate");
     }
     if (py::len(scalars) != 5) {
       throw std::invalid_argument("scalars: (num_running, common_prefix_tokens, kv_utilisation, num_waiting, "
@@ -119,7 +120,7 @@ class FeatureKernel {
   }
 
   static void fill_row(double* row, const Stats& stats, const py::sequence& contexts, const py::sequence& resumable,
-                       const py::tuple& scalars, int64_t block, size_t i) {
+                       const py::sequence& resident, const py::tuple& scalars, int64_t block, size_t i) {
     const int64_t* s = stats.data() + i * 5;
     row[kBatchSize] = scalars[0].cast<double>();
     row[kChunkLoss] = static_cast<double>(s[kLoss] * block);
@@ -130,6 +131,7 @@ class FeatureKernel {
     row[kKvUtilisation] = scalars[2].cast<double>();
     row[kNumWaiting] = scalars[3].cast<double>();
     row[kOldestWait] = scalars[4].cast<double>();
+    row[kResident] = static_cast<double>(resident[i].cast<int64_t>() * block);
   }
 };
 
