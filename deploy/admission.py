@@ -94,7 +94,7 @@ class PolicyAdmission(Admission):
     ``kv_usage`` read the scheduler live (requests running including those admitted this step;
     fraction of KV blocks in use); ``max_num_seqs`` is the scheduler's running limit.
     ``resident_tokens(request)`` is the prefix-cache hit, in tokens, a waiting request would
-    take if admitted now (:func:`deploy.vllm_compat.resident_prefix_tokens`; side-effect free).
+    take if admitted now (:class:`deploy.resident_prefix.ResidentPrefix`; side-effect free).
     ``resumable(request, shared_blocks)`` says how many of a waiting request's first
     ``shared_blocks`` blocks a hit can resume (a hybrid engine's deepest kept state); ``None``,
     a dense engine: all of them.

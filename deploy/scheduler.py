@@ -42,7 +42,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from deploy.vllm_compat import require_supported_vllm, resident_prefix_tokens
+from deploy.vllm_compat import require_supported_vllm
 
 require_supported_vllm()  # before touching vLLM internals
 
@@ -55,6 +55,7 @@ from deploy.admission import Admission, FCFSAdmission, PolicyAdmission  # noqa: 
 from deploy.metrics import MetricsRecorder  # noqa: E402
 from deploy.plugin_config import config_section  # noqa: E402
 from deploy.policy_reload import PolicyReloader  # noqa: E402
+from deploy.resident_prefix import ResidentPrefix  # noqa: E402
 from deploy.step_log import DecodeComposition, StepLog  # noqa: E402
 from deploy.waiting_queue import CHTWaitingQueue  # noqa: E402
 from feather_gym.costmodel.refit import LiveStep  # noqa: E402
@@ -200,7 +201,7 @@ class FeatherSchedulingMixin:
         self.admission = build_admission(config, num_running=lambda: len(self.running),
                                          kv_usage=lambda: self.kv_cache_manager.usage,
                                          max_num_seqs=self.max_num_running_reqs,
-                                         resident_tokens=self._resident_prefix_tokens,
+                                         resident_tokens=ResidentPrefix(self.kv_cache_manager),
                                          resumable=getattr(self, "resumable_blocks", None))
         self.policy_reloader = reloader if isinstance(self.admission, PolicyAdmission) else None
         self.step_log = config.make_step_log()
@@ -208,10 +209,6 @@ class FeatherSchedulingMixin:
         self.metrics = getattr(self, "metrics", None) or MetricsRecorder()   # one per scheduler, shared by the mixins
         if isinstance(self.admission, PolicyAdmission):
             self.admission.decision_latencies_ns = []
-
-    def _resident_prefix_tokens(self, request) -> int:
-        """The prefix-cache hit, in tokens, ``request`` would take if admitted now (read, not taken)."""
-        return resident_prefix_tokens(self.kv_cache_manager.coordinator, request)
 
     def schedule(self, throttle_prefills: bool = False):
         began = time.perf_counter()

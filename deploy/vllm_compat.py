@@ -45,9 +45,9 @@ drop (``num_hash_lookahead_tokens``)                                       ``num
 ``SchedulerOutput``                             --                         adds ``encoder_input_updates``,
                                                                            ``skip_drafts``
 ``KVCacheCoordinator.find_longest_cache_hit``   ``(block_hashes,           not checked against 0.33's source (none
-(read by :func:`resident_prefix_tokens`)        max_cache_hit_length)``    was reachable here); the helper reads
-                                                -> ``(blocks, tokens,      only the hit's token count, the second
-                                                uncached)``                entry
+and the block pool's map                        max_cache_hit_length)``    was reachable here); the lookup reads
+``BlockHashToBlockMap._cache`` (read by         -> ``(blocks, tokens,      only the hit's token count, the second
+:mod:`deploy.resident_prefix`)                  uncached)``                entry, and the map's keys
 ==============================================  =========================  ==========================================
 
 Everything else the plug-ins use is the same in both: ``RequestQueue`` and ``Request``,
@@ -120,19 +120,6 @@ def local_prefix_cache_hit(method, request, max_cache_hit_length: int | None = N
     if _installed_release() >= _HIT_LIMIT_SINCE:
         return method(request, max_cache_hit_length)
     return method(request)
-
-
-def resident_prefix_tokens(coordinator, request) -> int:
-    """Tokens of ``request``'s prefix that a prefix-cache hit would take if it were admitted now,
-    at most all its tokens but the last (``get_computed_blocks``'s lookup without its side
-    effects: no stats, no events, no reference taken). On a hybrid coordinator, the
-    full-attention group's hit alone: the recurrent states a hit can resume are the plug-ins'
-    ``resumable_blocks`` to say, as for every feature of the Feather observation."""
-    limit = prefix_cache_hit_limit(request)
-    if getattr(coordinator, "full_attention_group_id", None) is not None:
-        _, hits = coordinator.find_longest_cache_hit_per_group(request.block_hashes, limit)
-        return hits[coordinator.full_attention_group_id]
-    return coordinator.find_longest_cache_hit(request.block_hashes, limit)[1]
 
 
 def prefix_cache_hit_limit(request, max_cache_hit_length: int | None = None) -> int:

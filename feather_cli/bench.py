@@ -402,8 +402,9 @@ def add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
                         help="async scheduling: vLLM's AsyncScheduler and FeatherAsyncScheduler, the next step "
                              "scheduled before the previous one's output is applied")
     add_policies(parser, f"feather-rule,cht,{UNTRAINED_K4}",
-                 f"Feather policies, comma-separated: feather-rule, cht, *.onnx, or {UNTRAINED_K4} (an untrained "
-                 "k = 4 network that always admits)")
+                 f"Feather policies, comma-separated: a deployable rule (feather-rule, feather-hold, "
+                 f"feather-resident, cht, cht-dfs), *.onnx, or {UNTRAINED_K4} (an untrained k = 4 network that "
+                 "always admits)")
     parser.add_argument("--step-logs", default=",".join(STEP_LOGS),
                         help=f"step-log modes of each Feather side, comma-separated among {','.join(STEP_LOGS)} "
                              f"(default all)")

@@ -25,6 +25,7 @@ import pytest
 
 from cache_core.cht.tree import ChunkedHashTree
 from deploy.admission import PolicyAdmission
+from deploy.resident_prefix import ResidentPrefix
 from deploy.vllm_request import vllm_request
 from deploy.waiting_queue import CHTWaitingQueue
 from feather_gym.costmodel import load_cost_model
@@ -143,7 +144,7 @@ def engine_prefix_cache_like(sim: Simulator, block_size: int):
             blocks = pool.get_new_blocks(held)
             pool.cache_full_blocks(request, blocks, 0, held, block_size, 0)
             pool.free_blocks(blocks)
-    return scheduler._resident_prefix_tokens
+    return ResidentPrefix(scheduler.kv_cache_manager)
 
 
 def deployed_point(sim: Simulator, block_size: int, policy, resumable=None):
@@ -313,10 +314,11 @@ def test_on_a_hybrid_engine_the_resident_prefix_is_the_attention_groups_hit():
         hybrid_config=HybridPlacementConfig(placement="vllm"))
     coordinator, pool = scheduler.kv_cache_manager.coordinator, scheduler.kv_cache_manager.block_pool
     request = vllm_request("x", tokens(7, 5 * 128), block_size=128, arrival_time=0.0)
-    assert scheduler._resident_prefix_tokens(request) == 0
+    resident = ResidentPrefix(scheduler.kv_cache_manager)
+    assert resident.kind == "coordinator" and resident(request) == 0
     blocks = pool.get_new_blocks(3)
     pool.cache_full_blocks(request, blocks, 0, 3, 128, coordinator.full_attention_group_id)
     pool.free_blocks(blocks)
-    assert scheduler._resident_prefix_tokens(request) == 3 * 128
+    assert resident(request) == 3 * 128
     assert coordinator.find_longest_cache_hit(request.block_hashes, request.num_tokens - 1)[1] == 0
     assert scheduler.resumable_blocks(request, 3) == 0

@@ -22,6 +22,7 @@ def files(tmp_path_factory):
     four = policies.untrained_policy(root / "k4.onnx", k=4)
     return {"k1": one, "k4": four,
             "obs-3": policies.with_metadata(one, root / "obs-3.onnx", obs_version="feather-obs-3"),
+            "obs-4": policies.with_metadata(one, root / "obs-4.onnx", obs_version="feather-obs-4"),
             "k4-says-2": policies.with_metadata(four, root / "k4-says-2.onnx", num_candidates=2),
             "k1-no-k": policies.with_metadata(one, root / "k1-bad-k.onnx", num_candidates="four")}
 
@@ -37,11 +38,13 @@ def test_a_k4_policy_acts_greedily_over_five_actions(files):
     np.testing.assert_array_equal([policy.decide(row) for row in rows], actions != STOP)
 
 
-def test_a_policy_of_the_seconds_clock_contract_is_refused_naming_both_versions(files):
-    """``feather-obs-3`` read waiting time in seconds: its numbers mean nothing to this build."""
-    with pytest.raises(PolicyLoadError, match="'feather-obs-3', this feather-gym builds 'feather-obs-4'"):
-        OnnxPolicy(files["obs-3"])
-    assert OBS_VERSION == "feather-obs-4"
+def test_a_policy_of_an_earlier_contract_is_refused_naming_both_versions(files):
+    """``feather-obs-3`` read waiting time in seconds and ``feather-obs-4`` had no KV residency:
+    their inputs mean something else to this build."""
+    assert OBS_VERSION == "feather-obs-5"
+    for version in ("feather-obs-3", "feather-obs-4"):
+        with pytest.raises(PolicyLoadError, match=f"'{version}', this feather-gym builds 'feather-obs-5'"):
+            OnnxPolicy(files[version.removeprefix("feather-")])
 
 
 @pytest.mark.parametrize("name, message", [

@@ -57,16 +57,17 @@ def test_resuming_a_run_folder_checks_its_checkpoint_before_training(tmp_path, c
 
 
 def test_a_run_of_another_observation_contract_is_neither_resumed_nor_exported(tmp_path, capsys):
-    """Its network reads its inputs with other meanings (``feather-obs-3``: waiting in seconds)."""
+    """Its network reads its inputs with other meanings (``feather-obs-3``: waiting in seconds;
+    ``feather-obs-4``: no KV residency)."""
     run = fake_run(tmp_path / "run", workloads=WORKLOADS)
     label = {"profile": "vllm-cpu", "workloads": list(WORKLOADS), "trained_at": "2026-12-01T00:00:00+00:00"}
     (run / "checkpoint" / "feather_training.json").write_text(json.dumps(label))   # written before feather-obs-4
     assert main(["--resume", str(run), "--output", str(tmp_path / "out")]) == 2
-    assert "observation version 'feather-obs-3 or earlier', this feather-gym builds 'feather-obs-4'" \
+    assert "observation version 'feather-obs-3 or earlier', this feather-gym builds 'feather-obs-5'" \
         in capsys.readouterr().err
-    (run / "checkpoint" / "feather_training.json").write_text(json.dumps(label | {"obs_version": "feather-obs-3"}))
+    (run / "checkpoint" / "feather_training.json").write_text(json.dumps(label | {"obs_version": "feather-obs-4"}))
     assert main(["export", str(run / "checkpoint"), "-o", str(tmp_path / "p.onnx")]) == 2
-    assert "'feather-obs-3', this feather-gym builds 'feather-obs-4'" in capsys.readouterr().err
+    assert "'feather-obs-4', this feather-gym builds 'feather-obs-5'" in capsys.readouterr().err
     assert not (tmp_path / "out").exists() and not (tmp_path / "p.onnx").exists()
 
 
