@@ -51,10 +51,12 @@ def simulate_policies(trace, cost_model, policy_names: list[str], *, slo: SLO, c
     return rows
 
 
-def policy_label(name: str) -> str:
+def policy_label(name: str, width: int | None = None) -> str:
     """A policy's short name in tables and legends: a baseline's name, a policy file's folder and
-    name (``run/policy.onnx``, so the files of two runs differ; at most 24 characters, its end kept)."""
-    return "/".join(name.split(os.sep)[-2:])[-24:]
+    name (``run/policy.onnx``, so the files of two runs differ). With ``width``, at most that many
+    characters: a longer label keeps its end after ``...``."""
+    label = "/".join(name.split(os.sep)[-2:])
+    return label if width is None or len(label) <= width else "..." + label[3 - width:]
 
 
 def format_sweep(report: dict) -> str:
@@ -63,7 +65,7 @@ def format_sweep(report: dict) -> str:
               f"{'tpot p99':>9} {'queue p99':>9} {'forced':>7} {'goodput':>8} {'met':>6}")
     lines = [header]
     for row in report["rows"]:
-        lines.append(f"{row['load']:>5.2f} {policy_label(row['policy']):<24} {row['arrival_rate_req_s']:>8.3g} "
+        lines.append(f"{row['load']:>5.2f} {policy_label(row['policy'], 24):<24} {row['arrival_rate_req_s']:>8.3g} "
                      f"{row['throughput_tok_s']:>10.4g} {row['ttft_p50_s']:>8.3g}s {row['ttft_p99_s']:>8.3g}s "
                      f"{row['tpot_p99_ms']:>7.3g}ms {row['queue_delay_p99_s']:>8.3g}s "
                      f"{row['forced_wait_admissions']:>7d} {row['goodput_req_s']:>8.3g} "

@@ -128,4 +128,6 @@ def test_a_policy_file_is_labelled_by_its_run_and_name_in_the_table_and_the_lege
     assert policy_label("runs/hold/policy.onnx") != policy_label("runs/default/policy.onnx")
     assert policy_label("feather-rule") == "feather-rule"
     assert policy_label("policy.onnx") == "policy.onnx"
-    assert policy_label("/x/" + "p" * 30 + ".onnx") == "p" * 19 + ".onnx"
+    assert policy_label("runs/resident-1206/policy.onnx") == "resident-1206/policy.onnx"   # whole in a legend
+    assert policy_label("/x/" + "p" * 30 + ".onnx", 24) == "..." + "p" * 16 + ".onnx"        # a table's column
+    assert policy_label("feather-resident", 16) == "feather-resident"

@@ -56,6 +56,7 @@ import time
 
 from deploy.engine_rounds import DEFAULT_ROUND_TIMEOUT_S
 from feather_gym.policies import DEFAULT_MAX_WAIT_STEPS
+from feather_gym.sweep import policy_label
 
 logger = logging.getLogger(__name__)
 
@@ -223,10 +224,10 @@ def live_sweep(workload: str = DEFAULT_WORKLOAD, *, label: str | None = None, lo
 
 
 #: The table's simulated|live columns: (figure, heading, width, format).
-_COLUMNS = (("throughput_tok_s", "tok/s", 10, ".0f"), ("ttft_p50_s", "ttft p50 s", 12, ".2f"),
+_COLUMNS = (("throughput_tok_s", "tok/s", 9, ".0f"), ("ttft_p50_s", "ttft p50 s", 12, ".2f"),
             ("ttft_p99_s", "ttft p99 s", 12, ".2f"), ("tpot_p50_ms", "tpot p50 ms", 12, ".0f"),
             ("tpot_p99_ms", "tpot p99 ms", 12, ".0f"), ("goodput_req_s", "goodput/s", 12, ".3f"),
-            ("steps", "steps", 10, ".0f"))
+            ("steps", "steps", 9, ".0f"))
 
 
 def format_live_sweep(report: dict) -> str:
@@ -246,13 +247,13 @@ def format_live_sweep(report: dict) -> str:
             f"FCFS capacity on the calibrated profile {report['capacity_requests_per_s']:.3g} requests/s "
             f"({report['capacity_simulations']} simulations), the first load's",
             "cells: simulated|live; sched: the live scheduler's CPU ms per step",
-            f"{'load':>5} {'policy':<13}" + "".join(f"{heading:>{width}}" for _, heading, width, _ in _COLUMNS)
+            f"{'load':>5} {'policy':<16}" + "".join(f"{heading:>{width}}" for _, heading, width, _ in _COLUMNS)
             + f"{'live/sim':>9}{'sched':>6}{'lost':>5}"]
     for entry in report["loads"]:
         for name, p in entry["policies"].items():
             sim, live = p["sim"], p["live"]
             ratio = "-" if p["goodput_live_over_sim"] is None else f"{p['goodput_live_over_sim']:.3f}"
-            rows.append(f"{entry['load']:>5.2f} {name[-13:]:<13}"
+            rows.append(f"{entry['load']:>5.2f} {policy_label(name, 16):<16}"
                         + "".join(f"{format(sim[key], spec) + '|' + format(live[key], spec):>{width}}"
                                   for key, _, width, spec in _COLUMNS)
                         + f"{ratio:>9}{p['live_scheduler_cpu_us_per_step'] / 1e3:>6.1f}{live['requests_lost']:>5}")
@@ -276,7 +277,7 @@ def format_live_sweep(report: dict) -> str:
 
 def _target_text(comparison: dict) -> str:
     """One load's goodput live / simulated per policy, and whether it meets the live target."""
-    ratios = ", ".join(f"{name[-13:]} " + ("-" if p["goodput_live_over_sim"] is None else
+    ratios = ", ".join(f"{policy_label(name, 16)} " + ("-" if p["goodput_live_over_sim"] is None else
                                           f"{p['goodput_live_over_sim']:.2f}")
                        for name, p in comparison["policies"].items())
     return f"  goodput live/sim {ratios}: target {'met' if comparison['meets_live_target'] else 'MISSED'}"

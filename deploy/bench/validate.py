@@ -46,6 +46,7 @@ import time
 
 from deploy.engine_rounds import DEFAULT_ONLINE
 from feather_gym.policies import DEFAULT_MAX_WAIT_STEPS
+from feather_gym.sweep import policy_label
 from traces.table import cut
 from traces.workload import ENGINE_SIZED_WORKLOADS
 
@@ -279,7 +280,7 @@ def _shares(result: dict) -> str:
 
 
 def _label(policy: str) -> str:
-    return policy if len(policy) <= 21 else "..." + policy[-18:]
+    return policy_label(policy, 21)
 
 
 def _stats(stats: dict) -> str:
