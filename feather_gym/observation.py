@@ -28,7 +28,7 @@ idx   name                          raw meaning (unit)                          
                                     would take from the KV cache if it were admitted now:
                                     its leading full blocks resident in the cache, running or
                                     not, at most all its tokens but the last, resumable ones
-                                    only (``view.resident_prefix_blocks``)
+                                    only (``view.resident_blocks``)
 ====  ============================  =========================================================  =======
 
 Units: prefix features are in **tokens**, never in blocks, so the engine's KV block size (16 on
@@ -40,13 +40,14 @@ live engine that schedule alike observe alike, however fast the machine is that 
 
 Hybrid models: a shared block saves prefill only up to the deepest recurrent state a hit can
 resume, so ``candidate_cached_fraction`` and ``candidate_resident_tokens`` count the blocks the
-view says are resumable (all of them for a dense model). Features 1 and 3 describe decode-batch homogeneity (shared
-attention KV read once), which recurrent states do not change, and count every shared block.
+view says are resumable (all of them for a dense model). Features 1 and 3 describe decode-batch
+homogeneity (shared attention KV read once), which recurrent states do not change, and count every
+shared block.
 
-Features 0-2 are the Feather paper's; 3-9 are extras. Features 1, 3 and 5 see the running set
-only (the CHT's); 9 sees the whole prefix cache, so a group whose requests finished but whose
-prefix is still cached reads as warm there (what SGLang's LPM orders by). All raw values are non-negative, so every
-offset is 0 and the normalised range is ``[0, OBS_CLIP]``.
+Features 0-2 are the Feather paper's; 3-9 are extras. Features 1, 3 and 5 see the running set only
+(the CHT's); 9 sees the whole prefix cache, so a group whose requests finished but whose prefix is
+still cached reads as warm there (what SGLang's LPM orders by). All raw values are non-negative,
+so every offset is 0 and the normalised range is ``[0, OBS_CLIP]``.
 
 Candidates and actions (``k`` = ``num_candidates``; :data:`DEFAULT_NUM_CANDIDATES`, 1, where a
 caller gives none, while ``feather-train`` trains ``k = 4`` by default). At a decision point the CHT
@@ -60,7 +61,7 @@ validity mask of slots ``1 .. k-1`` (1.0 filled, 0.0 empty; slot 0 needs none). 
 ``Discrete(k + 1)``: 0 STOP, ``i`` admits candidate ``i - 1`` (:func:`chosen_slot`). Choosing
 an empty slot is STOP, everywhere (simulator, env, vLLM): the mask tells the policy which slots
 are filled, and an invalid choice never admits anything. ``k = 1`` is ADD/STOP on the CHT's best
-candidate: its observation is exactly the 9 features and its actions are ``(STOP, ADD)``.
+candidate: its observation is exactly the 10 features and its actions are ``(STOP, ADD)``.
 
 Changing a feature, its unit, its order, its normalisation or this layout requires bumping
 :data:`OBS_VERSION`; ONNX policies carry the contract (and ``k``) they were trained with and are

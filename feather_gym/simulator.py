@@ -451,8 +451,7 @@ class Simulator:
         """``idx``'s leading full blocks registered in the prefix cache (referenced or not), at most
         all its tokens but the last: the hit :meth:`_fitting_hits` would take, before a hybrid
         model's state lookup."""
-        bs, context = self.block_size, self.context_tokens(idx)
-        return len(self.kv.hit_blocks(self._chain(idx, context // bs), (context - 1) // bs))
+        return len(self._prefix_hits(idx)[1])
 
     def resumable_blocks(self, idx: int, shared_blocks: int) -> int:
         """Of ``idx``'s first ``shared_blocks`` blocks, those a hit can resume: all of them for a
@@ -548,15 +547,20 @@ class Simulator:
         whole current sequence in the free blocks), else None."""
         if len(self.running) >= self.config.max_num_seqs:
             return None
-        bs, kv = self.block_size, self.kv
-        context = self.context_tokens(idx)
-        chain = self._chain(idx, context // bs)
-        hits = kv.hit_blocks(chain, (context - 1) // bs)
+        chain, hits = self._prefix_hits(idx)
         if self.states is not None:
             hits = hits[: self.states.lookup(idx, chain, len(hits))]
-        if kv.blocks_to_claim(hits, -(-context // bs)) > kv.free_blocks:
+        kv = self.kv
+        if kv.blocks_to_claim(hits, -(-self.context_tokens(idx) // self.block_size)) > kv.free_blocks:
             return None
         return hits
+
+    def _prefix_hits(self, idx: int) -> tuple[list[int], list[int]]:
+        """``idx``'s digest chain over its full blocks, and the leading blocks of it registered in
+        the prefix cache, at most all its tokens but the last (vLLM's hit)."""
+        bs, context = self.block_size, self.context_tokens(idx)
+        chain = self._chain(idx, context // bs)
+        return chain, self.kv.hit_blocks(chain, (context - 1) // bs)
 
     def _admit(self, idx: int, hits: list[int]) -> None:
         self.cht.activate(idx)
