@@ -25,8 +25,9 @@ def sim_row(goodput: float, policy: str = "feather-rule") -> dict:
             "queue_delay_p99_s": 0.2}
 
 
-def live_side(goodput: float) -> dict:
-    return {"output_tok_s": 90.0, "ttft_p50_s": 0.12, "ttft_p99_s": 0.6, "tpot_p50_ms": 45.0, "tpot_p99_ms": 90.0,
+def live_side(goodput: float, per_round=None) -> dict:
+    return {"per_round": {"goodput_req_s": per_round or [goodput]},
+            "output_tok_s": 90.0, "ttft_p50_s": 0.12, "ttft_p99_s": 0.6, "tpot_p50_ms": 45.0, "tpot_p99_ms": 90.0,
             "goodput_req_s": goodput, "slo_met_fraction": 1.0, "steps": 50.0, "step_ms_mean": 45.0,
             "decisions": 28.0, "forced_wait_admissions": 1.0,
             "requests_finished": 24, "requests_lost": 0, "schedule_cpu_us_per_step": 300.0,
@@ -71,6 +72,27 @@ def test_a_load_meets_the_live_target_only_ranked_alike_with_every_goodput_withi
     assert tied["same_ranking"] and not tied["meets_live_target"]
     assert not compare_load({"fcfs": sim_row(0.0, "fcfs"), "feather-rule": sim_row(2.5)},
                             {"fcfs": live_side(0.0), "feather-rule": live_side(2.5)})["meets_live_target"]
+
+
+def test_with_rounds_the_ranking_is_also_checked_on_the_pairs_every_round_orders_alike():
+    sim = {"fcfs": sim_row(1.0, "fcfs"), "feather-rule": sim_row(2.0), "feather-hold": sim_row(2.02)}
+    # The hold 1% above the rule simulated; live below it in one round and above in the other.
+    live = {"fcfs": live_side(1.0, [1.1, 0.9]), "feather-rule": live_side(2.0, [2.04, 1.96]),
+            "feather-hold": live_side(1.98, [1.98, 1.98])}
+    compared = compare_load(sim, live)
+    assert compared["live_unsettled_pairs"] == [["feather-rule", "feather-hold"]]
+    assert not compared["same_ranking"] and compared["same_ranking_where_rounds_agree"]
+    assert not compared["meets_live_target"]                              # the target stays the strict ranking
+    assert compared["policies"]["feather-rule"]["live_goodput_per_round_req_s"] == [2.04, 1.96]
+    # FCFS above the rule in every round: an order the rounds settle, against the simulator's.
+    live["fcfs"] = live_side(2.5, [2.5, 2.6])
+    assert not compare_load(sim, live)["same_ranking_where_rounds_agree"]
+    # A tie in one round and an order in the other is not settled.
+    live["fcfs"] = live_side(2.0, [2.04, 1.9])
+    assert ["fcfs", "feather-rule"] in compare_load(sim, live)["live_unsettled_pairs"]
+    # One round: nothing to compare rounds on, no second verdict.
+    single = compare_load(sim, {name: live_side(side["goodput_req_s"]) for name, side in live.items()})
+    assert single["live_unsettled_pairs"] is None and single["same_ranking_where_rounds_agree"] is None
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -45,7 +45,10 @@ per round), and the requests finished and lost; the goodput ratio live / simulat
 the scheduler's own CPU time per step (``schedule`` and ``update_from_output``). Per load: the
 policies ranked by goodput on each side and whether the live ranking is the simulator's
 (:func:`deploy.bench.validate.same_ranking`: a pair the simulator ties within
-:data:`~deploy.bench.validate.RANKING_TIE` makes no claim).
+:data:`~deploy.bench.validate.RANKING_TIE` makes no claim). With two rounds or more, also the
+pairs of policies the live rounds do not order alike (:func:`unsettled_pairs`) and whether the
+rankings agree on the rest (``same_ranking_where_rounds_agree``); the target
+(``meets_live_target``) stays the strict ranking.
 """
 
 from __future__ import annotations
@@ -107,15 +110,33 @@ def compare_load(sim_rows: dict[str, dict], live_sides: dict[str, dict]) -> dict
         sim, live = sim_figures(sim_rows[name]), live_figures(live_sides[name])
         ratio = live["goodput_req_s"] / sim["goodput_req_s"] if sim["goodput_req_s"] > 0 else None
         policies[name] = {"sim": sim, "live": live, "goodput_live_over_sim": ratio,
+                          "live_goodput_per_round_req_s": live_sides[name]["per_round"]["goodput_req_s"],
                           "live_scheduler_cpu_us_per_step": scheduler_cpu_us_per_step(live_sides[name])}
     goodput = {side: {name: p[side]["goodput_req_s"] for name, p in policies.items()} for side in ("sim", "live")}
     ranked = same_ranking(goodput["sim"], goodput["live"])
     close = all(p["goodput_live_over_sim"] is not None and abs(p["goodput_live_over_sim"] - 1) <= GOODPUT_TOLERANCE
                 for p in policies.values())
+    unsettled = unsettled_pairs(live_sides)
     return {"policies": policies,
             "sim_ranking": sorted(goodput["sim"], key=lambda n: -goodput["sim"][n]),
             "live_ranking": sorted(goodput["live"], key=lambda n: -goodput["live"][n]),
-            "same_ranking": ranked, "meets_live_target": ranked and close}
+            "same_ranking": ranked, "meets_live_target": ranked and close, "live_unsettled_pairs": unsettled,
+            "same_ranking_where_rounds_agree": None if unsettled is None else
+            same_ranking(goodput["sim"], goodput["live"], unchecked=unsettled)}
+
+
+def unsettled_pairs(live_sides: dict[str, dict]) -> list[list[str]] | None:
+    """The pairs of policies whose live goodputs are not in the same order in every round (round
+    ``i`` of one against round ``i`` of the other; a tie in one round and an order in another is
+    not the same order); None with one round. These rounds cannot order such a pair, so the
+    simulator's order of it is not checked against them."""
+    import itertools
+
+    per_round = {name: side["per_round"]["goodput_req_s"] for name, side in live_sides.items()}
+    if min(map(len, per_round.values())) < 2:
+        return None
+    return [[a, b] for a, b in itertools.combinations(per_round, 2)
+            if len({(x > y) - (x < y) for x, y in zip(per_round[a], per_round[b])}) > 1]
 
 
 def ranking_text(goodput: dict[str, float]) -> str:
@@ -215,9 +236,9 @@ def live_sweep(workload: str = DEFAULT_WORKLOAD, *, label: str | None = None, lo
                                 **compare_load({row["policy"]: row for row in forecast}, live["sides"]),
                                 "load_clock": clock.as_dict(),
                                 "at_load_clock": compare_load({row["policy"]: row for row in refit}, live["sides"])})
-    for key in ("same_ranking", "meets_live_target"):
-        report[f"loads_{key}"] = sum(entry[key] for entry in report["loads"])
-        report[f"loads_{key}_at_load_clock"] = sum(entry["at_load_clock"][key] for entry in report["loads"])
+    for key in ("same_ranking", "meets_live_target", "same_ranking_where_rounds_agree"):
+        report[f"loads_{key}"] = sum(bool(entry[key]) for entry in report["loads"])
+        report[f"loads_{key}_at_load_clock"] = sum(bool(entry["at_load_clock"][key]) for entry in report["loads"])
     report["load_average_1min_start"], report["load_average_1min_end"] = load_start, os.getloadavg()[0]
     report["wall_s"] = round(time.perf_counter() - started, 1)
     return report
@@ -263,16 +284,24 @@ def format_live_sweep(report: dict) -> str:
         rows.append(f"load {entry['load']:g}: {entry['arrival_rate_req_s']:.3g} requests/s, of FCFS's capacity "
                     f"{entry['capacity_requests_per_s']:.3g} requests/s on the clock before it")
         rows.append(f"  goodput ranking sim {ranking_text(goodput['sim'])}, live {ranking_text(goodput['live'])}: "
-                    f"{'agree' if entry['same_ranking'] else 'DISAGREE'}")
+                    f"{'agree' if entry['same_ranking'] else 'DISAGREE'}" + _settled_text(entry))
         rows.append(_target_text(entry))
         clock, refit = entry["load_clock"], entry["at_load_clock"]
         refit_goodput = {name: p["sim"]["goodput_req_s"] for name, p in refit["policies"].items()}
         rows.append(f"  at its FCFS steps' clock (x{clock['clock_factor']:.3f}, "
                     f"prefill x{clock['clock_prefill_factor']:.3f}, {clock['calibration_steps']} steps): "
                     f"sim {ranking_text(refit_goodput)}: "
-                    f"{'agree' if refit['same_ranking'] else 'DISAGREE'}")
+                    f"{'agree' if refit['same_ranking'] else 'DISAGREE'}" + _settled_text(refit))
         rows.append("  " + _target_text(refit))
     return "\n".join(rows)
+
+
+def _settled_text(comparison: dict) -> str:
+    """``; where every round orders alike (N pairs not): agree`` (or DISAGREE), empty with one round."""
+    if comparison["live_unsettled_pairs"] is None:
+        return ""
+    verdict = "agree" if comparison["same_ranking_where_rounds_agree"] else "DISAGREE"
+    return f"; on the pairs every round orders alike ({len(comparison['live_unsettled_pairs'])} not): {verdict}"
 
 
 def _target_text(comparison: dict) -> str:

@@ -164,14 +164,16 @@ def compare_sides(sim: dict[str, dict], live: dict[str, dict]) -> dict:
             "same_ranking": ranked, "targets_met": {**met, "ranking": ranked}}
 
 
-def same_ranking(sim: dict[str, float], live: dict[str, float]) -> bool:
-    """Whether every pair of policies whose simulated throughputs (``sim``, name -> tok/s) differ
-    by more than :data:`RANKING_TIE` (relative) has the same order in ``live``: the simulator's
-    ranking, less the orders it does not claim."""
+def same_ranking(sim: dict[str, float], live: dict[str, float], unchecked=()) -> bool:
+    """Whether every pair of policies whose simulated figures (``sim``, name -> tok/s or goodput)
+    differ by more than :data:`RANKING_TIE` (relative) has the same order in ``live``: the
+    simulator's ranking, less the orders it does not claim, and less the pairs of ``unchecked``
+    (pairs of names, either order), which the live measurement cannot order."""
     import itertools
 
+    skip = {frozenset(pair) for pair in unchecked}
     return all((sim[a] > sim[b]) == (live[a] > live[b]) for a, b in itertools.combinations(sim, 2)
-               if abs(sim[a] - sim[b]) > RANKING_TIE * max(sim[a], sim[b]))
+               if abs(sim[a] - sim[b]) > RANKING_TIE * max(sim[a], sim[b]) and frozenset((a, b)) not in skip)
 
 
 def across_seeds(per_seed: dict[str, dict]) -> dict:
