@@ -141,14 +141,14 @@ def unsettled_pairs(live_sides: dict[str, dict]) -> list[list[str]] | None:
 
 def ranking_text(goodput: dict[str, float]) -> str:
     """Policies by goodput, best first: ``a > b = c``, ``=`` between neighbours within
-    :data:`~deploy.bench.validate.RANKING_TIE` of each other."""
+    :data:`~deploy.bench.validate.RANKING_TIE` of each other (names as the table's column)."""
     from deploy.bench.validate import RANKING_TIE
 
     ranked = sorted(goodput, key=lambda n: -goodput[n])
-    text = ranked[0]
+    text = policy_label(ranked[0], 16)
     for before, name in zip(ranked, ranked[1:]):
         tied = goodput[before] - goodput[name] <= RANKING_TIE * goodput[before]
-        text += f" {'=' if tied else '>'} {name}"
+        text += f" {'=' if tied else '>'} {policy_label(name, 16)}"
     return text
 
 
@@ -283,25 +283,29 @@ def format_live_sweep(report: dict) -> str:
                    for side in ("sim", "live")}
         rows.append(f"load {entry['load']:g}: {entry['arrival_rate_req_s']:.3g} requests/s, of FCFS's capacity "
                     f"{entry['capacity_requests_per_s']:.3g} requests/s on the clock before it")
-        rows.append(f"  goodput ranking sim {ranking_text(goodput['sim'])}, live {ranking_text(goodput['live'])}: "
-                    f"{'agree' if entry['same_ranking'] else 'DISAGREE'}" + _settled_text(entry))
+        rows.append(f"  goodput ranking sim  {ranking_text(goodput['sim'])}")
+        rows.append(f"                  live {ranking_text(goodput['live'])}: "
+                    f"{'agree' if entry['same_ranking'] else 'DISAGREE'}")
+        rows += _settled_rows(entry, "  ")
         rows.append(_target_text(entry))
         clock, refit = entry["load_clock"], entry["at_load_clock"]
         refit_goodput = {name: p["sim"]["goodput_req_s"] for name, p in refit["policies"].items()}
         rows.append(f"  at its FCFS steps' clock (x{clock['clock_factor']:.3f}, "
-                    f"prefill x{clock['clock_prefill_factor']:.3f}, {clock['calibration_steps']} steps): "
-                    f"sim {ranking_text(refit_goodput)}: "
-                    f"{'agree' if refit['same_ranking'] else 'DISAGREE'}" + _settled_text(refit))
+                    f"prefill x{clock['clock_prefill_factor']:.3f}, {clock['calibration_steps']} steps):")
+        rows.append(f"    sim {ranking_text(refit_goodput)}: {'agree' if refit['same_ranking'] else 'DISAGREE'}")
+        rows += _settled_rows(refit, "    ")
         rows.append("  " + _target_text(refit))
     return "\n".join(rows)
 
 
-def _settled_text(comparison: dict) -> str:
-    """``; where every round orders alike (N pairs not): agree`` (or DISAGREE), empty with one round."""
+def _settled_rows(comparison: dict, indent: str) -> list[str]:
+    """With two rounds or more, one row: whether the rankings agree on the pairs every round orders
+    alike, and how many pairs it does not."""
     if comparison["live_unsettled_pairs"] is None:
-        return ""
+        return []
     verdict = "agree" if comparison["same_ranking_where_rounds_agree"] else "DISAGREE"
-    return f"; on the pairs every round orders alike ({len(comparison['live_unsettled_pairs'])} not): {verdict}"
+    return [f"{indent}on the pairs every live round orders alike ({len(comparison['live_unsettled_pairs'])} pairs "
+            f"not): {verdict}"]
 
 
 def _target_text(comparison: dict) -> str:
