@@ -110,7 +110,7 @@ def test_the_table_of_a_sweep_of_two_rounds_names_the_check_on_settled_pairs_wit
               "loads": [{"load": 0.9, "arrival_rate_req_s": 1.35, "capacity_requests_per_s": 1.5, **compared,
                          "load_clock": clock, "at_load_clock": compared}]}
     lines = format_live_sweep(report).splitlines()
-    assert sum("on the pairs every live round orders alike (1 pairs not): agree" in line for line in lines) == 2
+    assert sum("on the pairs every live round orders alike (1 unsettled): agree" in line for line in lines) == 2
     assert all(len(line) <= 120 for line in lines)
 
 

@@ -300,12 +300,12 @@ def format_live_sweep(report: dict) -> str:
 
 def _settled_rows(comparison: dict, indent: str) -> list[str]:
     """With two rounds or more, one row: whether the rankings agree on the pairs every round orders
-    alike, and how many pairs it does not."""
+    alike, and how many pairs the rounds leave unsettled (:func:`unsettled_pairs`)."""
     if comparison["live_unsettled_pairs"] is None:
         return []
     verdict = "agree" if comparison["same_ranking_where_rounds_agree"] else "DISAGREE"
-    return [f"{indent}on the pairs every live round orders alike ({len(comparison['live_unsettled_pairs'])} pairs "
-            f"not): {verdict}"]
+    return [f"{indent}on the pairs every live round orders alike ({len(comparison['live_unsettled_pairs'])} "
+            f"unsettled): {verdict}"]
 
 
 def _target_text(comparison: dict) -> str:
