@@ -245,10 +245,10 @@ def live_sweep(workload: str = DEFAULT_WORKLOAD, *, label: str | None = None, lo
 
 
 #: The table's simulated|live columns: (figure, heading, width, format).
-_COLUMNS = (("throughput_tok_s", "tok/s", 9, ".0f"), ("ttft_p50_s", "ttft p50 s", 12, ".2f"),
+_COLUMNS = (("throughput_tok_s", "tok/s", 8, ".0f"), ("ttft_p50_s", "ttft p50 s", 12, ".2f"),
             ("ttft_p99_s", "ttft p99 s", 12, ".2f"), ("tpot_p50_ms", "tpot p50 ms", 12, ".0f"),
             ("tpot_p99_ms", "tpot p99 ms", 12, ".0f"), ("goodput_req_s", "goodput/s", 12, ".3f"),
-            ("steps", "steps", 9, ".0f"))
+            ("steps", "steps", 10, ".0f"))
 
 
 def format_live_sweep(report: dict) -> str:
