@@ -145,10 +145,10 @@ def ranking_text(goodput: dict[str, float]) -> str:
     from deploy.bench.validate import RANKING_TIE
 
     ranked = sorted(goodput, key=lambda n: -goodput[n])
-    text = policy_label(ranked[0], 16)
+    text = policy_label(ranked[0], _LABEL_WIDTH)
     for before, name in zip(ranked, ranked[1:]):
         tied = goodput[before] - goodput[name] <= RANKING_TIE * goodput[before]
-        text += f" {'=' if tied else '>'} {policy_label(name, 16)}"
+        text += f" {'=' if tied else '>'} {policy_label(name, _LABEL_WIDTH)}"
     return text
 
 
@@ -244,6 +244,8 @@ def live_sweep(workload: str = DEFAULT_WORKLOAD, *, label: str | None = None, lo
     return report
 
 
+#: Characters of a policy's label in the table, its rankings and its goodput ratios.
+_LABEL_WIDTH = 16
 #: The table's simulated|live columns: (figure, heading, width, format).
 _COLUMNS = (("throughput_tok_s", "tok/s", 8, ".0f"), ("ttft_p50_s", "ttft p50 s", 12, ".2f"),
             ("ttft_p99_s", "ttft p99 s", 12, ".2f"), ("tpot_p50_ms", "tpot p50 ms", 12, ".0f"),
@@ -268,13 +270,14 @@ def format_live_sweep(report: dict) -> str:
             f"FCFS capacity on the calibrated profile {report['capacity_requests_per_s']:.3g} requests/s "
             f"({report['capacity_simulations']} simulations), the first load's",
             "cells: simulated|live; sched: the live scheduler's CPU ms per step",
-            f"{'load':>5} {'policy':<16}" + "".join(f"{heading:>{width}}" for _, heading, width, _ in _COLUMNS)
+            f"{'load':>5} {'policy':<{_LABEL_WIDTH}}"
+            + "".join(f"{heading:>{width}}" for _, heading, width, _ in _COLUMNS)
             + f"{'live/sim':>9}{'sched':>6}{'lost':>5}"]
     for entry in report["loads"]:
         for name, p in entry["policies"].items():
             sim, live = p["sim"], p["live"]
             ratio = "-" if p["goodput_live_over_sim"] is None else f"{p['goodput_live_over_sim']:.3f}"
-            rows.append(f"{entry['load']:>5.2f} {policy_label(name, 16):<16}"
+            rows.append(f"{entry['load']:>5.2f} {policy_label(name, _LABEL_WIDTH):<{_LABEL_WIDTH}}"
                         + "".join(f"{format(sim[key], spec) + '|' + format(live[key], spec):>{width}}"
                                   for key, _, width, spec in _COLUMNS)
                         + f"{ratio:>9}{p['live_scheduler_cpu_us_per_step'] / 1e3:>6.1f}{live['requests_lost']:>5}")
@@ -310,7 +313,7 @@ def _settled_rows(comparison: dict, indent: str) -> list[str]:
 
 def _target_text(comparison: dict) -> str:
     """One load's goodput live / simulated per policy, and whether it meets the live target."""
-    ratios = ", ".join(f"{policy_label(name, 16)} " + ("-" if p["goodput_live_over_sim"] is None else
+    ratios = ", ".join(f"{policy_label(name, _LABEL_WIDTH)} " + ("-" if p["goodput_live_over_sim"] is None else
                                           f"{p['goodput_live_over_sim']:.2f}")
                        for name, p in comparison["policies"].items())
     return f"  goodput live/sim {ratios}: target {'met' if comparison['meets_live_target'] else 'MISSED'}"
