@@ -73,6 +73,9 @@ def register(tree) -> None:
                            f"{device} ttft={slo.ttft_s:g}s,tpot={slo.tpot_s * 1e3:g}ms"
                            for device, slo in DEFAULT_SLOS.items()) + ")")
     sweep.add_argument("--seed", type=non_negative_int, default=0, help="seed of generated workloads")
+    sweep.add_argument("--seeds", type=positive_int, default=1,
+                       help="seeds of a generated workload: --seed, --seed + 1, ... (default 1); the table gives "
+                            "each figure's mean and range over them")
     sweep.add_argument("--max-requests", type=positive_int, default=None, help="only the first N requests of the trace")
     sweep.add_argument("--kv-tokens", type=positive_int, default=None,
                        help="KV-cache capacity in tokens (default: the profile's)")
@@ -140,22 +143,34 @@ def sweep_command(args) -> int:
     from feather_gym.load import resolve_at_load
     from feather_gym.simulator import EngineConfig
     from feather_gym.slo import parse_slo
-    from feather_gym.sweep import format_sweep, load_sweep, plot_sweep
+    from feather_gym.sweep import HEURISTICS, format_summary, format_sweep, load_sweep, plot_sweep, summarise_sweeps
+    from traces.workload import is_generated
 
     label, spec = split_workload(args.workload)
+    if args.seeds > 1 and not is_generated(spec):
+        raise SystemExit(f"--seeds {args.seeds}: {label} is a recorded trace, the same at every seed; "
+                         "sweep its time windows instead (e.g. mooncake@0.5-0.6, mooncake@0.6-0.7)")
     cost_model = load_cost_model(args.profile or hardware_profile())
     slo = parse_slo(args.slo, DEFAULT_SLOS[cost_model.device])
     config = EngineConfig(kv_capacity_tokens=args.kv_tokens)
-    trace, _ = resolve_at_load(spec, seed=args.seed, cost_model=cost_model, config=config,
-                               max_requests=args.max_requests)
-    report = load_sweep(trace, cost_model, parse_policies(args.policies), args.loads, slo=slo, config=config)
-    print(f"workload {label} ({report['requests']} requests), profile {cost_model.name}; SLO TTFT {slo.ttft_s:g} s, "
-          f"TPOT {slo.tpot_s * 1e3:g} ms")
-    print(f"FCFS capacity {report['capacity_requests_per_s']:.4g} requests/s ({report['capacity_rate_factor']:.4g}x "
-          f"the recorded rate, {report['capacity_simulations']} runs)")
-    return _emit(args, format_sweep(report),
-                 lambda path: plot_sweep(report, path, title=f"{label} on {cost_model.name}"),
-                 {"workload": label, "spec": spec, **report})
+    print(f"workload {label}, profile {cost_model.name}; SLO TTFT {slo.ttft_s:g} s, TPOT {slo.tpot_s * 1e3:g} ms")
+    seeds, reports = range(args.seed, args.seed + args.seeds), []
+    for seed in seeds:
+        trace, _ = resolve_at_load(spec, seed=seed, cost_model=cost_model, config=config,
+                                   max_requests=args.max_requests)
+        reports.append(load_sweep(trace, cost_model, parse_policies(args.policies), args.loads, slo=slo,
+                                  config=config))
+        print(f"seed {seed}: {reports[-1]['requests']} requests, FCFS capacity "
+              f"{reports[-1]['capacity_requests_per_s']:.4g} requests/s ({reports[-1]['capacity_rate_factor']:.4g}x "
+              f"the recorded rate, {reports[-1]['capacity_simulations']} runs)")
+    summary = summarise_sweeps(reports)
+    tables = ([] if args.seeds > 1 else [format_sweep(reports[0])]) + [format_summary(summary)]
+    payload = (reports[0] if args.seeds == 1 else
+               {"seeds": list(seeds), **slo.as_dict(),
+                "per_seed": [{"seed": seed, **report} for seed, report in zip(seeds, reports)]})
+    return _emit(args, "\n\n".join(tables),
+                 lambda path: plot_sweep(summary, slo.as_dict(), path, title=f"{label} on {cost_model.name}"),
+                 {"workload": label, "spec": spec, **payload, "heuristics": list(HEURISTICS), "summary": summary})
 
 
 def _emit(args, table: str, plot, payload: dict) -> int:

@@ -5,15 +5,27 @@ it at each load factor and runs every policy there. Per load and policy it repor
 ``SimResult.metrics()`` plus the TPOT percentiles and the goodput: the requests that meet the SLO
 (TTFT and TPOT both within it) per second of makespan, and their share of all requests.
 
+Over several workload seeds, :func:`summarise_sweeps` gives each load and policy its mean, least
+and greatest goodput, and judges every policy against the best of :data:`HEURISTICS` at that
+load: the heuristic with the highest mean goodput, the same policy at every seed.
+
 The SLO, its defaults per device and the goodput figures are :mod:`feather_gym.slo`'s.
 """
 
 from __future__ import annotations
 
 import os
+from collections import defaultdict
+
+import numpy as np
 
 from feather_gym.load import at_load, check_load, find_capacity
 from feather_gym.slo import SLO, latency_and_goodput
+
+#: The fixed heuristics a trained policy's goodput is judged against: vLLM's FCFS, SGLang's LPM,
+#: DFS and HRRN, the Feather rule and ``cht``. ``feather-hold`` and ``feather-resident`` are not
+#: among them: they are the project's warm starts, judged by the same measure.
+HEURISTICS = ("fcfs", "lpm", "dfs", "hrrn", "feather-rule", "cht")
 
 
 def load_sweep(trace, cost_model, policy_names: list[str], loads: list[float], *, slo: SLO, config=None,
@@ -54,9 +66,15 @@ def simulate_policies(trace, cost_model, policy_names: list[str], *, slo: SLO, c
 def policy_label(name: str, width: int | None = None) -> str:
     """A policy's short name in tables and legends: a baseline's name, a policy file's folder and
     name (``run/policy.onnx``, so the files of two runs differ). With ``width``, at most that many
-    characters: a longer label keeps its end after ``...``."""
-    label = "/".join(name.split(os.sep)[-2:])
-    return label if width is None or len(label) <= width else "..." + label[3 - width:]
+    characters: a run's ``policy.onnx`` longer than that is labelled by its run's folder, and a
+    label still longer keeps its end after ``...``."""
+    parts = name.split(os.sep)[-2:]
+    label = "/".join(parts)
+    if width is None or len(label) <= width:
+        return label
+    if len(parts) == 2 and parts[1] == "policy.onnx":
+        label = parts[0]
+    return label if len(label) <= width else "..." + label[3 - width:]
 
 
 def format_sweep(report: dict) -> str:
@@ -73,22 +91,93 @@ def format_sweep(report: dict) -> str:
     return "\n".join(lines)
 
 
-def plot_sweep(report: dict, path: str, *, title: str) -> None:
-    """TTFT p99 and goodput against load, one line per policy (PNG)."""
+def summarise_sweeps(reports: list[dict]) -> list[dict]:
+    """One row per load and policy over the :func:`load_sweep` reports of several seeds of one
+    workload (the same loads and policies in each): goodput's mean, least and greatest, the mean
+    share within the SLO and mean TTFT p99; where a heuristic of :data:`HEURISTICS` ran, the best
+    of them by mean goodput (``best_heuristic``) and the policy's goodput over it, as a ratio of
+    the means and its least and greatest per seed (seeds where the heuristic's goodput is 0 left
+    out; None where it is 0 at every seed); where FCFS ran, the mean TTFT p99 over FCFS's."""
+    runs = defaultdict(list)
+    for report in reports:
+        for row in report["rows"]:
+            runs[row["load"], row["policy"]].append(row)
+    summary = []
+    for load in dict.fromkeys(load for load, _ in runs):
+        at_load = {policy: rows for (row_load, policy), rows in runs.items() if row_load == load}
+        goodput = {policy: np.array([row["goodput_req_s"] for row in rows]) for policy, rows in at_load.items()}
+        ttft_p99 = {policy: float(np.mean([row["ttft_p99_s"] for row in rows])) for policy, rows in at_load.items()}
+        best = max((p for p in at_load if p in HEURISTICS), key=lambda p: goodput[p].mean(), default=None)
+        for policy, rows in at_load.items():
+            entry = {"load": load, "policy": policy, "seeds": len(rows),
+                     "goodput_mean_req_s": float(goodput[policy].mean()),
+                     "goodput_min_req_s": float(goodput[policy].min()),
+                     "goodput_max_req_s": float(goodput[policy].max()),
+                     "slo_met_fraction_mean": float(np.mean([row["slo_met_fraction"] for row in rows])),
+                     "ttft_p99_mean_s": ttft_p99[policy]}
+            if best is not None:
+                entry |= {"best_heuristic": best, **_over(goodput[policy], goodput[best], "goodput_vs_best_heuristic")}
+            if "fcfs" in at_load:
+                entry["ttft_p99_vs_fcfs"] = ttft_p99[policy] / ttft_p99["fcfs"] if ttft_p99["fcfs"] > 0 else None
+            summary.append(entry)
+    return summary
+
+
+def _over(values: np.ndarray, base: np.ndarray, key: str) -> dict:
+    """``key`` (the ratio of the means), ``key_min`` and ``key_max`` (per seed) of ``values`` over ``base``."""
+    kept = base > 0
+    if not kept.any():
+        return {key: None, f"{key}_min": None, f"{key}_max": None}
+    per_seed = values[kept] / base[kept]
+    return {key: float(values.mean() / base.mean()), f"{key}_min": float(per_seed.min()),
+            f"{key}_max": float(per_seed.max())}
+
+
+def format_summary(summary: list[dict]) -> str:
+    """:func:`summarise_sweeps`'s rows as a table of at most 120 columns: a range (least-greatest
+    over the seeds) follows a mean wherever the seeds differ."""
+    seeds = max(row["seeds"] for row in summary)
+    lines = [f"over {seeds} seed{'s' * (seeds > 1)}: the mean (least-greatest)",
+             f"vs best heuristic: goodput over the best mean goodput at the load of {', '.join(HEURISTICS)}",
+             f"{'load':>5} {'policy':<24} {'goodput req/s':<28} {'vs best heuristic':<32} {'met':>6} "
+             f"{'ttft p99':>9} {'vs fcfs':>7}"]
+    for row in summary:
+        ratio = row.get("goodput_vs_best_heuristic")
+        versus = "-" if ratio is None else (
+            _spread(ratio, row["goodput_vs_best_heuristic_min"], row["goodput_vs_best_heuristic_max"], ".3f")
+            + f" {policy_label(row['best_heuristic'], 12)}")
+        goodput = _spread(row["goodput_mean_req_s"], row["goodput_min_req_s"], row["goodput_max_req_s"], ".4g")
+        fcfs = row.get("ttft_p99_vs_fcfs")
+        lines.append(f"{row['load']:>5.2f} {policy_label(row['policy'], 24):<24} {goodput:<28} "
+                     f"{versus:<32} {100 * row['slo_met_fraction_mean']:>5.1f}% {row['ttft_p99_mean_s']:>8.3g}s "
+                     f"{'-' if fcfs is None else format(fcfs, '.2f'):>7}")
+    return "\n".join(lines)
+
+
+def _spread(mean: float, least: float, greatest: float, spec: str) -> str:
+    """``mean`` alone where ``least`` and ``greatest`` agree, else ``mean (least-greatest)``."""
+    if format(least, spec) == format(greatest, spec):
+        return format(mean, spec)
+    return f"{mean:{spec}} ({least:{spec}}-{greatest:{spec}})"
+
+
+def plot_sweep(summary: list[dict], slo: dict, path: str, *, title: str) -> None:
+    """TTFT p99 and goodput against load, one line per policy, from :func:`summarise_sweeps`'s rows
+    (means over the seeds; ``slo``: the report's ``slo_*`` keys) (PNG)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (latency, goodput) = plt.subplots(1, 2, figsize=(11, 4))
-    for name in dict.fromkeys(row["policy"] for row in report["rows"]):
-        rows = [row for row in report["rows"] if row["policy"] == name]
+    for name in dict.fromkeys(row["policy"] for row in summary):
+        rows = [row for row in summary if row["policy"] == name]
         loads = [row["load"] for row in rows]
-        latency.plot(loads, [row["ttft_p99_s"] for row in rows], marker="o", label=policy_label(name))
-        goodput.plot(loads, [row["goodput_req_s"] for row in rows], marker="o", label=policy_label(name))
+        latency.plot(loads, [row["ttft_p99_mean_s"] for row in rows], marker="o", label=policy_label(name))
+        goodput.plot(loads, [row["goodput_mean_req_s"] for row in rows], marker="o", label=policy_label(name))
     latency.set(xlabel="load (x FCFS capacity)", ylabel="TTFT p99 (s)", yscale="log", title="latency")
     goodput.set(xlabel="load (x FCFS capacity)", ylabel="goodput (requests/s meeting the SLO)",
-                title=f"goodput, SLO TTFT {report['slo_ttft_s']:g} s, TPOT {1e3 * report['slo_tpot_s']:g} ms")
+                title=f"goodput, SLO TTFT {slo['slo_ttft_s']:g} s, TPOT {1e3 * slo['slo_tpot_s']:g} ms")
     goodput.legend(fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()

@@ -131,3 +131,84 @@ def test_a_policy_file_is_labelled_by_its_run_and_name_in_the_table_and_the_lege
     assert policy_label("runs/resident-1206/policy.onnx") == "resident-1206/policy.onnx"   # whole in a legend
     assert policy_label("/x/" + "p" * 30 + ".onnx", 24) == "..." + "p" * 16 + ".onnx"        # a table's column
     assert policy_label("feather-resident", 16) == "feather-resident"
+    assert policy_label("runs/resident-1206/policy.onnx", 16) == "resident-1206"       # the run, in a narrow column
+    assert policy_label("runs/resident-1206/clone.onnx", 16) == "...06/clone.onnx"
+
+
+def _sweep_rows(load, goodput, ttft_p99):
+    return [{"load": load, "policy": policy, "goodput_req_s": goodput[policy], "ttft_p99_s": ttft_p99[policy],
+             "slo_met_fraction": 0.5} for policy in goodput]
+
+
+def test_summarise_sweeps_judges_every_policy_against_the_heuristic_best_on_average():
+    from feather_gym.sweep import format_summary, summarise_sweeps
+
+    seed_0 = _sweep_rows(0.9, {"fcfs": 1.0, "lpm": 2.0, "dfs": 1.5, "trained": 2.2},
+                         {"fcfs": 10.0, "lpm": 4.0, "dfs": 4.0, "trained": 5.0})
+    seed_1 = _sweep_rows(0.9, {"fcfs": 1.0, "lpm": 1.0, "dfs": 2.0, "trained": 1.8},
+                         {"fcfs": 6.0, "lpm": 4.0, "dfs": 4.0, "trained": 3.0})
+    seed_2 = _sweep_rows(0.9, {"fcfs": 0.0, "lpm": 0.0, "dfs": 0.0, "trained": 0.0},
+                         {"fcfs": 8.0, "lpm": 4.0, "dfs": 4.0, "trained": 4.0})
+    summary = {row["policy"]: row for row in summarise_sweeps([{"rows": seed_0}, {"rows": seed_1}, {"rows": seed_2}])}
+    trained = summary["trained"]
+    # dfs: mean 3.5/3 beats lpm's 3/3 although lpm wins seed 0; the same heuristic at every seed
+    assert {row["best_heuristic"] for row in summary.values()} == {"dfs"}
+    assert trained["goodput_mean_req_s"] == pytest.approx(4.0 / 3)
+    assert (trained["goodput_min_req_s"], trained["goodput_max_req_s"]) == (0.0, 2.2)
+    assert trained["goodput_vs_best_heuristic"] == pytest.approx(4.0 / 3.5)
+    # per seed: 2.2/1.5 and 1.8/2.0; seed 2, where dfs serves none within the SLO, left out
+    assert trained["goodput_vs_best_heuristic_min"] == pytest.approx(0.9)
+    assert trained["goodput_vs_best_heuristic_max"] == pytest.approx(2.2 / 1.5)
+    assert trained["ttft_p99_vs_fcfs"] == pytest.approx(4.0 / 8.0)
+    assert trained["seeds"] == 3 and summary["fcfs"]["ttft_p99_vs_fcfs"] == 1.0
+    table = format_summary(list(summary.values()))
+    assert "1.143 (0.900-1.467) dfs" in table
+    assert all(len(line) <= 120 for line in table.splitlines())
+
+
+def test_the_summary_table_fits_120_columns_with_goodputs_of_many_digits():
+    from feather_gym.sweep import format_summary, summarise_sweeps
+
+    reports = [{"rows": _sweep_rows(1.1, {"runs/resident-1206/policy.onnx": g, "feather-rule": 2.5 * g / 1.2345,
+                                          "fcfs": g / 3}, {p: 391.2 for p in ("runs/resident-1206/policy.onnx",
+                                                                             "feather-rule", "fcfs")})}
+               for g in (0.0029571, 0.0041371, 0.0008472)]
+    table = format_summary(summarise_sweeps(reports))
+    assert "0.002647 (0.0008472-0.004137)" in table
+    assert all(len(line) <= 120 for line in table.splitlines())
+
+
+def test_summarise_sweeps_without_a_heuristic_or_fcfs_judges_nothing():
+    from feather_gym.sweep import summarise_sweeps
+
+    (row,) = summarise_sweeps([{"rows": _sweep_rows(1.1, {"trained": 1.0}, {"trained": 2.0})}])
+    assert "best_heuristic" not in row and "ttft_p99_vs_fcfs" not in row
+    assert row["goodput_mean_req_s"] == row["goodput_min_req_s"] == row["goodput_max_req_s"] == 1.0
+
+
+def test_sim_sweep_over_seeds_reports_each_seed_and_their_summary(capsys, tmp_path):
+    from feather_cli.main import main
+
+    plot = tmp_path / "sweep.png"
+    assert main(["sim", "sweep", "--workload", SPEC, "--profile", "h200", "--loads", "0.9", "--seed", "3",
+                 "--seeds", "2", "--policies", "fcfs,lpm,feather-resident", "--plot", str(plot), "--json"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    report = json.loads(lines[-1])
+    assert [run["seed"] for run in report["per_seed"]] == [3, 4]
+    assert report["per_seed"][0]["rows"] != report["per_seed"][1]["rows"]   # two traces
+    summary = {row["policy"]: row for row in report["summary"]}
+    assert summary.keys() == {"fcfs", "lpm", "feather-resident"} and summary["fcfs"]["seeds"] == 2
+    goodputs = [run["rows"][2]["goodput_req_s"] for run in report["per_seed"]]
+    assert summary["feather-resident"]["goodput_mean_req_s"] == pytest.approx(np.mean(goodputs))
+    assert summary["lpm"]["best_heuristic"] in ("fcfs", "lpm")
+    assert all(len(line) <= 120 for line in lines[:-1]) and plot.stat().st_size > 0
+
+
+def test_sim_sweep_refuses_seeds_of_a_recorded_trace(tmp_path):
+    from feather_cli.main import main
+
+    trace_file = tmp_path / "t.jsonl"
+    trace_file.write_text('{"timestamp": 0, "input_length": 64, "output_length": 8, "hash_ids": [1]}\n'
+                          '{"timestamp": 1000, "input_length": 64, "output_length": 8, "hash_ids": [1]}\n')
+    with pytest.raises(SystemExit, match="recorded trace"):
+        main(["sim", "sweep", "--workload", str(trace_file), "--seeds", "2", "--profile", "h200"])
