@@ -164,12 +164,13 @@ def sweep_command(args) -> int:
               f"{reports[-1]['capacity_requests_per_s']:.4g} requests/s ({reports[-1]['capacity_rate_factor']:.4g}x "
               f"the recorded rate, {reports[-1]['capacity_simulations']} runs)")
     summary = summarise_sweeps(reports)
+    title = f"{label} on {cost_model.name}" + (f", mean over seeds {seeds[0]}-{seeds[-1]}" if args.seeds > 1 else "")
     tables = ([] if args.seeds > 1 else [format_sweep(reports[0])]) + [format_summary(summary)]
     payload = (reports[0] if args.seeds == 1 else
                {"seeds": list(seeds), **slo.as_dict(),
                 "per_seed": [{"seed": seed, **report} for seed, report in zip(seeds, reports)]})
     return _emit(args, "\n\n".join(tables),
-                 lambda path: plot_sweep(summary, slo.as_dict(), path, title=f"{label} on {cost_model.name}"),
+                 lambda path: plot_sweep(summary, slo.as_dict(), path, title=title),
                  {"workload": label, "spec": spec, **payload, "heuristics": list(HEURISTICS), "summary": summary})
 
 
