@@ -148,8 +148,8 @@ def sweep_command(args) -> int:
 
     label, spec = split_workload(args.workload)
     if args.seeds > 1 and not is_generated(spec):
-        raise SystemExit(f"--seeds {args.seeds}: {label} is a recorded trace, the same at every seed; "
-                         "sweep its time windows instead (e.g. mooncake@0.5-0.6, mooncake@0.6-0.7)")
+        raise SystemExit(f"--seeds {args.seeds}: {spec!r} is not a generator (KIND[:key=value,...]); a recorded "
+                         "trace is the same at every seed: sweep its time windows instead (e.g. mooncake@0.5-0.6)")
     cost_model = load_cost_model(args.profile or hardware_profile())
     slo = parse_slo(args.slo, DEFAULT_SLOS[cost_model.device])
     config = EngineConfig(kv_capacity_tokens=args.kv_tokens)

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import logging
 import os
+import textwrap
 import time
 
 from deploy.engine_rounds import DEFAULT_ROUND_TIMEOUT_S
@@ -286,18 +287,19 @@ def format_live_sweep(report: dict) -> str:
                    for side in ("sim", "live")}
         rows.append(f"load {entry['load']:g}: {entry['arrival_rate_req_s']:.3g} requests/s, of FCFS's capacity "
                     f"{entry['capacity_requests_per_s']:.3g} requests/s on the clock before it")
-        rows.append(f"  goodput ranking sim  {ranking_text(goodput['sim'])}")
-        rows.append(f"                  live {ranking_text(goodput['live'])}: "
-                    f"{'agree' if entry['same_ranking'] else 'DISAGREE'}")
+        rows.append(_wrapped(f"  goodput ranking sim  {ranking_text(goodput['sim'])}", 23))
+        rows.append(_wrapped(f"                  live {ranking_text(goodput['live'])}: "
+                             f"{'agree' if entry['same_ranking'] else 'DISAGREE'}", 23))
         rows += _settled_rows(entry, "  ")
-        rows.append(_target_text(entry))
+        rows.append(_target_text(entry, "  "))
         clock, refit = entry["load_clock"], entry["at_load_clock"]
         refit_goodput = {name: p["sim"]["goodput_req_s"] for name, p in refit["policies"].items()}
         rows.append(f"  at its FCFS steps' clock (x{clock['clock_factor']:.3f}, "
                     f"prefill x{clock['clock_prefill_factor']:.3f}, {clock['calibration_steps']} steps):")
-        rows.append(f"    sim {ranking_text(refit_goodput)}: {'agree' if refit['same_ranking'] else 'DISAGREE'}")
+        verdict = "agree" if refit["same_ranking"] else "DISAGREE"
+        rows.append(_wrapped(f"    sim {ranking_text(refit_goodput)}: {verdict}", 8))
         rows += _settled_rows(refit, "    ")
-        rows.append("  " + _target_text(refit))
+        rows.append(_target_text(refit, "    "))
     return "\n".join(rows)
 
 
@@ -311,9 +313,17 @@ def _settled_rows(comparison: dict, indent: str) -> list[str]:
             f"unsettled): {verdict}"]
 
 
-def _target_text(comparison: dict) -> str:
-    """One load's goodput live / simulated per policy, and whether it meets the live target."""
+def _target_text(comparison: dict, indent: str) -> str:
+    """One load's goodput live / simulated per policy, and whether it meets the live target, at
+    ``indent`` and wrapped within 120 columns."""
     ratios = ", ".join(f"{policy_label(name, _LABEL_WIDTH)} " + ("-" if p["goodput_live_over_sim"] is None else
                                           f"{p['goodput_live_over_sim']:.2f}")
                        for name, p in comparison["policies"].items())
-    return f"  goodput live/sim {ratios}: target {'met' if comparison['meets_live_target'] else 'MISSED'}"
+    return _wrapped(f"{indent}goodput live/sim {ratios}: target "
+                    f"{'met' if comparison['meets_live_target'] else 'MISSED'}", len(indent) + 2)
+
+
+def _wrapped(line: str, hang: int) -> str:
+    """``line`` within 120 columns, its continuation lines indented by ``hang`` spaces."""
+    return textwrap.fill(line, 120, subsequent_indent=" " * hang, break_on_hyphens=False,
+                         drop_whitespace=True, replace_whitespace=False)
