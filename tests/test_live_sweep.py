@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 
+import numpy as np
 import pytest
 
 from deploy.bench.live_sweep import FIGURES, compare_load, format_live_sweep
@@ -243,3 +244,21 @@ def test_a_small_live_sweep_reports_every_figure_and_every_request_finishes(caps
     for key in ("same_ranking", "meets_live_target"):
         assert report[f"loads_{key}"] == sum(entry[key] for entry in report["loads"])
         assert report[f"loads_{key}_at_load_clock"] == sum(entry["at_load_clock"][key] for entry in report["loads"])
+
+
+def test_rounds_whose_goodputs_differ_past_any_rounding_keep_their_order():
+    from types import SimpleNamespace
+
+    from deploy.bench.harness import summarise
+    from deploy.engine_rounds import RoundResult
+    from feather_gym.slo import SLO
+
+    def one_round(wall_s):
+        meter = SimpleNamespace(steps=5, schedule_ns=1_000, update_ns=1_000, scheduled_tokens=30, preemptions=0)
+        return RoundResult(label="x", wall_s=wall_s, output_tokens=30, cached_tokens=0, ttft_s=np.full(3, 0.1),
+                           tpot_s=np.full(3, 0.01), finished=3, lost=0, meter=meter,
+                           first_scheduled_step=np.ones(3, dtype=int), outputs={})
+
+    faster, slower = summarise([one_round(100.0), one_round(100.001)], SLO(ttft_s=10.0, tpot_s=0.5))[
+        "per_round"]["goodput_req_s"]
+    assert faster > slower   # 0.03 against 0.0299997 requests/s: a tie to four decimals

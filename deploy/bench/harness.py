@@ -146,8 +146,9 @@ def summarise(rounds: list[RoundResult], slo=None) -> dict:
     if slo is not None:
         figures = slo_figures(ttft, tpot, slo, float(wall.sum()))
         summary.update({key: figures[key] for key in ("slo_met_requests", "slo_met_fraction", "goodput_req_s")})
-        summary["per_round"]["goodput_req_s"] = [
-            round(slo_figures(r.ttft_s, r.tpot_s, slo, r.wall_s)["goodput_req_s"], 4) for r in rounds]
+        # unrounded: rounds are compared with one another (live_sweep.unsettled_pairs)
+        summary["per_round"]["goodput_req_s"] = [slo_figures(r.ttft_s, r.tpot_s, slo, r.wall_s)["goodput_req_s"]
+                                                 for r in rounds]
     if rounds[-1].scheduler_stats:
         summary["scheduler_stats_last_round"] = rounds[-1].scheduler_stats
     return summary
