@@ -74,8 +74,11 @@ def register(tree) -> None:
                            for device, slo in DEFAULT_SLOS.items()) + ")")
     sweep.add_argument("--seed", type=non_negative_int, default=0, help="seed of generated workloads")
     sweep.add_argument("--seeds", type=positive_int, default=1,
-                       help="seeds of a generated workload: --seed, --seed + 1, ... (default 1); the table gives "
-                            "each figure's mean and range over them")
+                       help="instances of a generated workload: seeds --seed, --seed + 1, ... (default 1); the "
+                            "table gives each figure's mean and range over them")
+    sweep.add_argument("--windows", type=positive_int, default=1,
+                       help="instances of a recorded trace: its span (or the window SPEC@START-END) cut into this "
+                            "many equal time windows (default 1); summarised as --seeds")
     sweep.add_argument("--max-requests", type=positive_int, default=None, help="only the first N requests of the trace")
     sweep.add_argument("--kv-tokens", type=positive_int, default=None,
                        help="KV-cache capacity in tokens (default: the profile's)")
@@ -144,34 +147,52 @@ def sweep_command(args) -> int:
     from feather_gym.simulator import EngineConfig
     from feather_gym.slo import parse_slo
     from feather_gym.sweep import HEURISTICS, format_summary, format_sweep, load_sweep, plot_sweep, summarise_sweeps
-    from traces.workload import is_generated
 
     label, spec = split_workload(args.workload)
-    if args.seeds > 1 and not is_generated(spec):
-        raise SystemExit(f"--seeds {args.seeds}: {spec!r} is not a generator (KIND[:key=value,...]); a recorded "
-                         "trace is the same at every seed: sweep its time windows instead (e.g. mooncake@0.5-0.6)")
+    instances = _sweep_instances(spec, args.seed, args.seeds, args.windows)
     cost_model = load_cost_model(args.profile or hardware_profile())
     slo = parse_slo(args.slo, DEFAULT_SLOS[cost_model.device])
     config = EngineConfig(kv_capacity_tokens=args.kv_tokens)
     print(f"workload {label}, profile {cost_model.name}; SLO TTFT {slo.ttft_s:g} s, TPOT {slo.tpot_s * 1e3:g} ms")
-    seeds, reports = range(args.seed, args.seed + args.seeds), []
-    for seed in seeds:
-        trace, _ = resolve_at_load(spec, seed=seed, cost_model=cost_model, config=config,
+    reports = []
+    for instance in instances:
+        trace, _ = resolve_at_load(instance["spec"], seed=instance["seed"], cost_model=cost_model, config=config,
                                    max_requests=args.max_requests)
         reports.append(load_sweep(trace, cost_model, parse_policies(args.policies), args.loads, slo=slo,
                                   config=config))
-        print(f"seed {seed}: {reports[-1]['requests']} requests, FCFS capacity "
+        name = f"window {instance['spec'].rpartition('@')[2]}" if args.windows > 1 else f"seed {instance['seed']}"
+        print(f"{name}: {reports[-1]['requests']} requests, FCFS capacity "
               f"{reports[-1]['capacity_requests_per_s']:.4g} requests/s ({reports[-1]['capacity_rate_factor']:.4g}x "
               f"the recorded rate, {reports[-1]['capacity_simulations']} runs)")
     summary = summarise_sweeps(reports)
-    title = f"{label} on {cost_model.name}" + (f", mean over seeds {seeds[0]}-{seeds[-1]}" if args.seeds > 1 else "")
-    tables = ([] if args.seeds > 1 else [format_sweep(reports[0])]) + [format_summary(summary)]
-    payload = (reports[0] if args.seeds == 1 else
-               {"seeds": list(seeds), **slo.as_dict(),
-                "per_seed": [{"seed": seed, **report} for seed, report in zip(seeds, reports)]})
+    over = (f"seeds {args.seed}-{args.seed + args.seeds - 1}" if args.seeds > 1 else
+            f"{args.windows} time windows" if args.windows > 1 else f"seed {args.seed}")
+    several = len(instances) > 1
+    tables = ([] if several else [format_sweep(reports[0])]) + [format_summary(summary, over)]
+    payload = ({**slo.as_dict(), "instances": [instance | report for instance, report in zip(instances, reports)]}
+               if several else reports[0])
     return _emit(args, "\n\n".join(tables),
-                 lambda path: plot_sweep(summary, slo.as_dict(), path, title=title),
+                 lambda path: plot_sweep(summary, slo.as_dict(), path,
+                                         title=f"{label} on {cost_model.name}" + (f", mean over {over}" * several)),
                  {"workload": label, "spec": spec, **payload, "heuristics": list(HEURISTICS), "summary": summary})
+
+
+def _sweep_instances(spec: str, seed: int, seeds: int, windows: int) -> list[dict]:
+    """The instances ``feather sim sweep`` runs, each ``{"spec", "seed"}``: a generator's seeds, a
+    recorded trace's time windows (:func:`traces.workload.time_windows`), or ``spec`` alone."""
+    from traces.workload import is_generated, time_windows
+
+    if seeds > 1 and windows > 1:
+        raise SystemExit("--seeds and --windows: give one (a generator's instances are seeds, a trace's windows)")
+    if seeds > 1 and not is_generated(spec):
+        raise SystemExit(f"--seeds {seeds}: {spec!r} is not a generator (KIND[:key=value,...]); a recorded trace "
+                         "is the same at every seed: give --windows instead")
+    if windows > 1:
+        try:
+            return [{"spec": window, "seed": seed} for window in time_windows(spec, windows)]
+        except ValueError as exc:
+            raise SystemExit(f"--windows {windows}: {exc}") from None
+    return [{"spec": spec, "seed": instance} for instance in range(seed, seed + seeds)]
 
 
 def _emit(args, table: str, plot, payload: dict) -> int:

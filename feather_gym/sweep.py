@@ -5,9 +5,10 @@ it at each load factor and runs every policy there. Per load and policy it repor
 ``SimResult.metrics()`` plus the TPOT percentiles and the goodput: the requests that meet the SLO
 (TTFT and TPOT both within it) per second of makespan, and their share of all requests.
 
-Over several workload seeds, :func:`summarise_sweeps` gives each load and policy its mean, least
-and greatest goodput, and judges every policy against the best of :data:`HEURISTICS` at that
-load: the heuristic with the highest mean goodput, the same policy at every seed.
+Over several instances of a workload (seeds of a generator, time windows of a recorded trace),
+:func:`summarise_sweeps` gives each load and policy its mean, least and greatest goodput, and
+judges every policy against the best of :data:`HEURISTICS` at that load: the heuristic with the
+highest mean goodput, the same policy in every instance.
 
 The SLO, its defaults per device and the goodput figures are :mod:`feather_gym.slo`'s.
 """
@@ -92,12 +93,13 @@ def format_sweep(report: dict) -> str:
 
 
 def summarise_sweeps(reports: list[dict]) -> list[dict]:
-    """One row per load and policy over the :func:`load_sweep` reports of several seeds of one
-    workload (the same loads and policies in each): goodput's mean, least and greatest, the mean
-    share within the SLO and mean TTFT p99; where a heuristic of :data:`HEURISTICS` ran, the best
-    of them by mean goodput (``best_heuristic``) and the policy's goodput over it, as a ratio of
-    the means and its least and greatest per seed (seeds where the heuristic's goodput is 0 left
-    out; None where it is 0 at every seed); where FCFS ran, the mean TTFT p99 over FCFS's."""
+    """One row per load and policy over the :func:`load_sweep` reports of several instances of one
+    workload (seeds, or time windows of a trace; the same loads and policies in each): goodput's
+    mean, least and greatest, the mean share within the SLO and mean TTFT p99; where a heuristic
+    of :data:`HEURISTICS` ran, the best of them by mean goodput (``best_heuristic``) and the
+    policy's goodput over it, as a ratio of the means and its least and greatest per instance
+    (instances where the heuristic's goodput is 0 left out; None where it is 0 in every one);
+    where FCFS ran, the mean TTFT p99 over FCFS's."""
     runs = defaultdict(list)
     for report in reports:
         for row in report["rows"]:
@@ -109,7 +111,7 @@ def summarise_sweeps(reports: list[dict]) -> list[dict]:
         ttft_p99 = {policy: float(np.mean([row["ttft_p99_s"] for row in rows])) for policy, rows in at_load.items()}
         best = max((p for p in at_load if p in HEURISTICS), key=lambda p: goodput[p].mean(), default=None)
         for policy, rows in at_load.items():
-            entry = {"load": load, "policy": policy, "seeds": len(rows),
+            entry = {"load": load, "policy": policy, "instances": len(rows),
                      "goodput_mean_req_s": float(goodput[policy].mean()),
                      "goodput_min_req_s": float(goodput[policy].min()),
                      "goodput_max_req_s": float(goodput[policy].max()),
@@ -124,20 +126,20 @@ def summarise_sweeps(reports: list[dict]) -> list[dict]:
 
 
 def _over(values: np.ndarray, base: np.ndarray, key: str) -> dict:
-    """``key`` (the ratio of the means), ``key_min`` and ``key_max`` (per seed) of ``values`` over ``base``."""
+    """``key`` (the ratio of the means), ``key_min`` and ``key_max`` (per instance) of ``values`` over ``base``."""
     kept = base > 0
     if not kept.any():
         return {key: None, f"{key}_min": None, f"{key}_max": None}
-    per_seed = values[kept] / base[kept]
-    return {key: float(values.mean() / base.mean()), f"{key}_min": float(per_seed.min()),
-            f"{key}_max": float(per_seed.max())}
+    per_instance = values[kept] / base[kept]
+    return {key: float(values.mean() / base.mean()), f"{key}_min": float(per_instance.min()),
+            f"{key}_max": float(per_instance.max())}
 
 
-def format_summary(summary: list[dict]) -> str:
+def format_summary(summary: list[dict], over: str) -> str:
     """:func:`summarise_sweeps`'s rows as a table of at most 120 columns: a range (least-greatest
-    over the seeds) follows a mean wherever the seeds differ."""
-    seeds = max(row["seeds"] for row in summary)
-    lines = [f"over {seeds} seed{'s' * (seeds > 1)}: the mean (least-greatest)",
+    over the instances, which ``over`` names) follows a mean wherever the instances differ."""
+    count = max(row["instances"] for row in summary)
+    lines = [f"over {count} instance{'s' * (count > 1)} ({over}): the mean (least-greatest)",
              f"vs best heuristic: goodput over the best mean goodput at the load of {', '.join(HEURISTICS)}",
              f"{'load':>5} {'policy':<24} {'goodput req/s':<28} {'vs best heuristic':<32} {'met':>6} "
              f"{'ttft p99':>9} {'vs fcfs':>7}"]
@@ -163,7 +165,7 @@ def _spread(mean: float, least: float, greatest: float, spec: str) -> str:
 
 def plot_sweep(summary: list[dict], slo: dict, path: str, *, title: str) -> None:
     """TTFT p99 and goodput against load, one line per policy, from :func:`summarise_sweeps`'s rows
-    (means over the seeds; ``slo``: the report's ``slo_*`` keys) (PNG)."""
+    (means over the instances; ``slo``: the report's ``slo_*`` keys) (PNG)."""
     import matplotlib
 
     matplotlib.use("Agg")

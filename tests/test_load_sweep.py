@@ -160,8 +160,8 @@ def test_summarise_sweeps_judges_every_policy_against_the_heuristic_best_on_aver
     assert trained["goodput_vs_best_heuristic_min"] == pytest.approx(0.9)
     assert trained["goodput_vs_best_heuristic_max"] == pytest.approx(2.2 / 1.5)
     assert trained["ttft_p99_vs_fcfs"] == pytest.approx(4.0 / 8.0)
-    assert trained["seeds"] == 3 and summary["fcfs"]["ttft_p99_vs_fcfs"] == 1.0
-    table = format_summary(list(summary.values()))
+    assert trained["instances"] == 3 and summary["fcfs"]["ttft_p99_vs_fcfs"] == 1.0
+    table = format_summary(list(summary.values()), "seeds 0-2")
     assert "1.143 (0.900-1.467) dfs" in table
     assert all(len(line) <= 120 for line in table.splitlines())
 
@@ -173,7 +173,7 @@ def test_the_summary_table_fits_120_columns_with_goodputs_of_many_digits():
                                           "fcfs": g / 3}, {p: 391.2 for p in ("runs/resident-1206/policy.onnx",
                                                                              "feather-rule", "fcfs")})}
                for g in (0.0029571, 0.0041371, 0.0008472)]
-    table = format_summary(summarise_sweeps(reports))
+    table = format_summary(summarise_sweeps(reports), "3 time windows")
     assert "0.002647 (0.0008472-0.004137)" in table
     assert all(len(line) <= 120 for line in table.splitlines())
 
@@ -194,21 +194,60 @@ def test_sim_sweep_over_seeds_reports_each_seed_and_their_summary(capsys, tmp_pa
                  "--seeds", "2", "--policies", "fcfs,lpm,feather-resident", "--plot", str(plot), "--json"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     report = json.loads(lines[-1])
-    assert [run["seed"] for run in report["per_seed"]] == [3, 4]
-    assert report["per_seed"][0]["rows"] != report["per_seed"][1]["rows"]   # two traces
+    assert [(run["spec"], run["seed"]) for run in report["instances"]] == [(SPEC, 3), (SPEC, 4)]
+    assert report["instances"][0]["rows"] != report["instances"][1]["rows"]   # two traces
     summary = {row["policy"]: row for row in report["summary"]}
-    assert summary.keys() == {"fcfs", "lpm", "feather-resident"} and summary["fcfs"]["seeds"] == 2
-    goodputs = [run["rows"][2]["goodput_req_s"] for run in report["per_seed"]]
+    assert summary.keys() == {"fcfs", "lpm", "feather-resident"} and summary["fcfs"]["instances"] == 2
+    goodputs = [run["rows"][2]["goodput_req_s"] for run in report["instances"]]
     assert summary["feather-resident"]["goodput_mean_req_s"] == pytest.approx(np.mean(goodputs))
     assert summary["lpm"]["best_heuristic"] in ("fcfs", "lpm")
+    assert "over 2 instances (seeds 3-4)" in "\n".join(lines)
     assert all(len(line) <= 120 for line in lines[:-1]) and plot.stat().st_size > 0
 
 
-def test_sim_sweep_refuses_seeds_of_a_recorded_trace(tmp_path):
+def _recorded_trace(tmp_path, requests=40):
+    trace_file = tmp_path / "t.jsonl"
+    trace_file.write_text("".join(f'{{"timestamp": {1000 * i}, "input_length": {64 + 8 * (i % 5)}, '
+                                  f'"output_length": 8, "hash_ids": [{i % 3}]}}\n' for i in range(requests)))
+    return str(trace_file)
+
+
+def test_sim_sweep_over_time_windows_of_a_recorded_trace(capsys, tmp_path):
     from feather_cli.main import main
 
-    trace_file = tmp_path / "t.jsonl"
-    trace_file.write_text('{"timestamp": 0, "input_length": 64, "output_length": 8, "hash_ids": [1]}\n'
-                          '{"timestamp": 1000, "input_length": 64, "output_length": 8, "hash_ids": [1]}\n')
-    with pytest.raises(SystemExit, match="not a generator"):
-        main(["sim", "sweep", "--workload", str(trace_file), "--seeds", "2", "--profile", "h200"])
+    trace_file = _recorded_trace(tmp_path)
+    assert main(["sim", "sweep", "--workload", f"{trace_file}@0.5-1", "--windows", "2", "--profile", "h200",
+                 "--loads", "0.9", "--policies", "fcfs,feather-rule", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [run["spec"] for run in report["instances"]] == [f"{trace_file}@0.5-0.75", f"{trace_file}@0.75-1"]
+    assert all(run["requests"] == 10 for run in report["instances"])
+    assert {row["instances"] for row in report["summary"]} == {2}
+
+
+def test_time_windows_cover_a_trace_or_its_window_and_refuse_a_generator():
+    from traces.workload import time_windows
+
+    assert time_windows("mooncake", 4) == ["mooncake@0-0.25", "mooncake@0.25-0.5", "mooncake@0.5-0.75",
+                                           "mooncake@0.75-1"]
+    assert time_windows("mooncake@0.5-1", 5)[1] == "mooncake@0.6-0.7"
+    assert time_windows("t.jsonl@0.1-0.4", 3) == ["t.jsonl@0.1-0.2", "t.jsonl@0.2-0.3", "t.jsonl@0.3-0.4"]
+    with pytest.raises(ValueError, match="seeds"):
+        time_windows(SPEC, 2)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--seeds", "2"], "not a generator"),
+    (["--seeds", "2", "--windows", "2"], "give one"),
+])
+def test_sim_sweep_refuses_instances_a_workload_does_not_have(tmp_path, flags, message):
+    from feather_cli.main import main
+
+    with pytest.raises(SystemExit, match=message):
+        main(["sim", "sweep", "--workload", _recorded_trace(tmp_path), *flags, "--profile", "h200"])
+
+
+def test_sim_sweep_refuses_time_windows_of_a_generator():
+    from feather_cli.main import main
+
+    with pytest.raises(SystemExit, match="--windows 2: .*seeds"):
+        main(["sim", "sweep", "--workload", SPEC, "--windows", "2", "--profile", "h200"])

@@ -200,6 +200,21 @@ def is_generated(spec: str) -> bool:
     return (window["spec"] if window else spec).partition(":")[0] in GENERATOR_KINDS
 
 
+def time_windows(spec: str, count: int) -> list[str]:
+    """``count`` consecutive time windows of equal span that cover a recorded trace's ``spec`` (its
+    whole span, or its window ``T@S-E``), as specs ``T@S-S1``, ``T@S1-S2``, ... (fractions of the
+    trace's span, to 6 decimals). A generator is a ``ValueError``: its instances are seeds."""
+    if count < 1:
+        raise ValueError(f"time windows: count must be >= 1, got {count}")
+    if is_generated(spec) or _LOAD_SUFFIX.match(spec):
+        raise ValueError(f"time windows of {spec!r}: only a recorded trace (or its window) has them; "
+                         "a generator's instances are its seeds")
+    window = _WINDOW.match(spec)
+    trace, start, end = (window["spec"], float(window["start"]), float(window["end"])) if window else (spec, 0.0, 1.0)
+    edges = [round(start + (end - start) * i / count, 6) for i in range(count + 1)]
+    return [f"{trace}@{low:g}-{high:g}" for low, high in zip(edges, edges[1:])]
+
+
 def split_spec(spec: str, part: str, eval_fraction: float = DEFAULT_EVAL_FRACTION) -> str:
     """The spec of the ``part`` (``"train"`` or ``"eval"``) of workload ``spec``: ``spec`` itself
     for a generator (its parts are seeds), else the time window of a trace: ``spec@0-B`` or
