@@ -200,6 +200,12 @@ def is_generated(spec: str) -> bool:
     return (window["spec"] if window else spec).partition(":")[0] in GENERATOR_KINDS
 
 
+def _window_of(spec: str) -> tuple[str, float, float]:
+    """``(trace spec, start, end)`` of a trace's spec: its window ``T@S-E``, or ``(spec, 0, 1)``."""
+    window = _WINDOW.match(spec)
+    return (window["spec"], float(window["start"]), float(window["end"])) if window else (spec, 0.0, 1.0)
+
+
 def time_windows(spec: str, count: int) -> list[str]:
     """``count`` consecutive time windows of equal span that cover a recorded trace's ``spec`` (its
     whole span, or its window ``T@S-E``), as specs ``T@S-S1``, ``T@S1-S2``, ... (fractions of the
@@ -209,8 +215,7 @@ def time_windows(spec: str, count: int) -> list[str]:
     if is_generated(spec) or _LOAD_SUFFIX.match(spec):
         raise ValueError(f"time windows of {spec!r}: only a recorded trace (or its window) has them; "
                          "a generator's instances are its seeds")
-    window = _WINDOW.match(spec)
-    trace, start, end = (window["spec"], float(window["start"]), float(window["end"])) if window else (spec, 0.0, 1.0)
+    trace, start, end = _window_of(spec)
     edges = [round(start + (end - start) * i / count, 6) for i in range(count + 1)]
     return [f"{trace}@{low:g}-{high:g}" for low, high in zip(edges, edges[1:])]
 
@@ -233,7 +238,6 @@ def split_spec(spec: str, part: str, eval_fraction: float = DEFAULT_EVAL_FRACTIO
         return split_spec(load["spec"], part, eval_fraction) + load["load"]
     if is_generated(spec):
         return spec
-    window = _WINDOW.match(spec)
-    trace, start, end = (window["spec"], float(window["start"]), float(window["end"])) if window else (spec, 0.0, 1.0)
+    trace, start, end = _window_of(spec)
     middle = f"{round(start + (end - start) * boundary, 6):.6f}".rstrip("0")
     return f"{trace}@{start:g}-{middle}" if part == "train" else f"{trace}@{middle}-{end:g}"

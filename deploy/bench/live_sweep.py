@@ -325,5 +325,4 @@ def _target_text(comparison: dict, indent: str) -> str:
 
 def _wrapped(line: str, hang: int) -> str:
     """``line`` within 120 columns, its continuation lines indented by ``hang`` spaces."""
-    return textwrap.fill(line, 120, subsequent_indent=" " * hang, break_on_hyphens=False,
-                         drop_whitespace=True, replace_whitespace=False)
+    return textwrap.fill(line, 120, subsequent_indent=" " * hang, break_on_hyphens=False, replace_whitespace=False)
