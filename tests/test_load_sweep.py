@@ -205,22 +205,26 @@ def test_sim_sweep_over_seeds_reports_each_seed_and_their_summary(capsys, tmp_pa
     assert all(len(line) <= 120 for line in lines[:-1]) and plot.stat().st_size > 0
 
 
-def _recorded_trace(tmp_path, requests=40):
-    trace_file = tmp_path / "t.jsonl"
-    trace_file.write_text("".join(f'{{"timestamp": {1000 * i}, "input_length": {64 + 8 * (i % 5)}, '
-                                  f'"output_length": 8, "hash_ids": [{i % 3}]}}\n' for i in range(requests)))
-    return str(trace_file)
+def _recorded_trace(tmp_path):
+    """A generated trace written as a file: a recording, the same at every seed."""
+    import traces
+    from traces import resolve_workload
+
+    path = tmp_path / "recorded.jsonl"
+    traces.write_trace(resolve_workload(SPEC, seed=5), path)
+    return str(path)
 
 
 def test_sim_sweep_over_time_windows_of_a_recorded_trace(capsys, tmp_path):
     from feather_cli.main import main
+    from traces import resolve_workload
 
     trace_file = _recorded_trace(tmp_path)
     assert main(["sim", "sweep", "--workload", f"{trace_file}@0.5-1", "--windows", "2", "--profile", "h200",
                  "--loads", "0.9", "--policies", "fcfs,feather-rule", "--json"]) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert [run["spec"] for run in report["instances"]] == [f"{trace_file}@0.5-0.75", f"{trace_file}@0.75-1"]
-    assert all(run["requests"] == 10 for run in report["instances"])
+    assert sum(run["requests"] for run in report["instances"]) == len(resolve_workload(f"{trace_file}@0.5-1"))
     assert {row["instances"] for row in report["summary"]} == {2}
 
 
