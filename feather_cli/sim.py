@@ -4,6 +4,7 @@ simulator against the live engine."""
 from __future__ import annotations
 
 import json
+import re
 
 from feather_cli.options import (
     add_json,
@@ -62,8 +63,9 @@ def register(tree) -> None:
 
     sweep = sim.add_parser("sweep", help="policies against load: latency percentiles and goodput under an SLO",
                            description="Find the workload's FCFS capacity on the profile, replay it at each load "
-                                       "factor of it, and run every policy there.")
-    add_workloads(sweep, WORKLOAD_HELP, repeat=False, required=True)
+                                       "factor of it, and run every policy there. Several workloads are swept "
+                                       "one after another and then compared in one table.")
+    add_workloads(sweep, WORKLOAD_HELP + "; repeat to sweep several", required=True)
     sweep.add_argument("--loads", type=float_list, default=DEFAULT_LOADS,
                        help=f"comma-separated load factors (default {DEFAULT_LOADS})")
     add_policies(sweep, DEFAULT_SWEEP_POLICIES, "comma-separated policy names or *.onnx files")
@@ -143,16 +145,37 @@ def compare_command(args) -> int:
 
 def sweep_command(args) -> int:
     from feather_gym.costmodel import hardware_profile, load_cost_model
-    from feather_gym.load import resolve_at_load
     from feather_gym.simulator import EngineConfig
     from feather_gym.slo import parse_slo
-    from feather_gym.sweep import HEURISTICS, format_summary, format_sweep, load_sweep, plot_sweep, summarise_sweeps
+    from feather_gym.sweep import HEURISTICS, format_across
 
-    label, spec = split_workload(args.workload)
-    instances = _sweep_instances(spec, args.seed, args.seeds, args.windows)
+    workloads = parse_workloads(args.workload)
+    instances = {label: _sweep_instances(spec, args.seed, args.seeds, args.windows)
+                 for label, spec in workloads.items()}
     cost_model = load_cost_model(args.profile or hardware_profile())
     slo = parse_slo(args.slo, DEFAULT_SLOS[cost_model.device])
     config = EngineConfig(kv_capacity_tokens=args.kv_tokens)
+    payloads = []
+    for label, spec in workloads.items():
+        if payloads:
+            print()
+        payloads.append(_sweep_workload(args, label, spec, instances[label], cost_model, slo, config))
+    if len(payloads) == 1:
+        payload = payloads[0]
+    else:
+        print("\n" + format_across({payload["workload"]: payload["summary"] for payload in payloads}))
+        payload = {**slo.as_dict(), "workloads": payloads}
+    if args.json:
+        print(json.dumps({**payload, "heuristics": list(HEURISTICS)}))
+    return 0
+
+
+def _sweep_workload(args, label: str, spec: str, instances: list[dict], cost_model, slo, config) -> dict:
+    """Sweep one workload's ``instances``, print its tables (and write its plot with ``--plot``) and
+    return its JSON payload."""
+    from feather_gym.load import resolve_at_load
+    from feather_gym.sweep import format_summary, format_sweep, load_sweep, plot_sweep, summarise_sweeps
+
     print(f"workload {label}, profile {cost_model.name}; SLO TTFT {slo.ttft_s:g} s, TPOT {slo.tpot_s * 1e3:g} ms")
     reports = []
     for instance in instances:
@@ -168,13 +191,24 @@ def sweep_command(args) -> int:
     over = (f"seeds {args.seed}-{args.seed + args.seeds - 1}" if args.seeds > 1 else
             f"{args.windows} time windows" if args.windows > 1 else f"seed {args.seed}")
     several = len(instances) > 1
-    tables = ([] if several else [format_sweep(reports[0])]) + [format_summary(summary, over)]
+    print("\n\n".join(([] if several else [format_sweep(reports[0])]) + [format_summary(summary, over)]))
+    if args.plot:
+        path = args.plot if len(args.workload) == 1 else _labelled_path(args.plot, label)
+        plot_sweep(summary, slo.as_dict(), path,
+                   title=f"{label} on {cost_model.name}" + (f", mean over {over}" * several))
+        print(f"wrote {path}")
     payload = ({**slo.as_dict(), "instances": [instance | report for instance, report in zip(instances, reports)]}
                if several else reports[0])
-    return _emit(args, "\n\n".join(tables),
-                 lambda path: plot_sweep(summary, slo.as_dict(), path,
-                                         title=f"{label} on {cost_model.name}" + (f", mean over {over}" * several)),
-                 {"workload": label, "spec": spec, **payload, "heuristics": list(HEURISTICS), "summary": summary})
+    return {"workload": label, "spec": spec, **payload, "summary": summary}
+
+
+def _labelled_path(path: str, label: str) -> str:
+    """``path`` with ``_label`` before its suffix (characters other than letters, digits, ``.``, ``_``
+    and ``-`` as ``-``): one plot per workload of a sweep over several."""
+    from pathlib import Path
+
+    path = Path(path)
+    return str(path.with_name(f"{path.stem}_{re.sub(r'[^A-Za-z0-9._-]+', '-', label)}{path.suffix}"))
 
 
 def _sweep_instances(spec: str, seed: int, seeds: int, windows: int) -> list[dict]:

@@ -8,7 +8,8 @@ it at each load factor and runs every policy there. Per load and policy it repor
 Over several instances of a workload (seeds of a generator, time windows of a recorded trace),
 :func:`summarise_sweeps` gives each load and policy its mean, least and greatest goodput, and
 judges every policy against the best of :data:`HEURISTICS` at that load: the heuristic with the
-highest mean goodput, the same policy in every instance.
+highest mean goodput, the same policy in every instance. Over several workloads,
+:func:`format_across` sets those judgements side by side.
 
 The SLO, its defaults per device and the goodput figures are :mod:`feather_gym.slo`'s.
 """
@@ -153,6 +154,28 @@ def format_summary(summary: list[dict], over: str) -> str:
         lines.append(f"{row['load']:>5.2f} {policy_label(row['policy'], 24):<24} {goodput:<28} "
                      f"{versus:<32} {100 * row['slo_met_fraction_mean']:>5.1f}% {row['ttft_p99_mean_s']:>8.3g}s "
                      f"{'-' if fcfs is None else format(fcfs, '.2f'):>7}")
+    return "\n".join(lines)
+
+
+def format_across(summaries: dict[str, list[dict]]) -> str:
+    """Every policy's goodput over the best heuristic's (the ratio of the means) on every workload
+    and load, from :func:`summarise_sweeps`'s rows by workload label: where a policy holds against
+    the best of :data:`HEURISTICS` and where it does not. ``least`` is its least over the loads;
+    ``-`` where no heuristic ran or every heuristic's goodput was 0. At most 120 columns for up to
+    ten loads."""
+    loads = list(dict.fromkeys(row["load"] for summary in summaries.values() for row in summary))
+    policies = dict.fromkeys(row["policy"] for summary in summaries.values() for row in summary)
+    lines = ["goodput over the best heuristic's, by workload (the ratio of the means; the best heuristic may "
+             "differ by load)",
+             f"{'policy':<24} {'workload':<16} " + " ".join(f"{load:>6.2f}" for load in loads) + f" {'least':>6}"]
+    for policy in policies:
+        for index, (label, summary) in enumerate(summaries.items()):
+            ratios = {row["load"]: row.get("goodput_vs_best_heuristic") for row in summary if row["policy"] == policy}
+            known = [ratio for ratio in ratios.values() if ratio is not None]
+            cells = [ratios.get(load) for load in loads] + [min(known) if known else None]
+            name = policy_label(policy, 24) if index == 0 else ""
+            lines.append(f"{name:<24} {label[:16]:<16} "
+                         + " ".join(f"{'-' if cell is None else format(cell, '.3f'):>6}" for cell in cells))
     return "\n".join(lines)
 
 

@@ -255,3 +255,39 @@ def test_sim_sweep_refuses_time_windows_of_a_generator():
 
     with pytest.raises(SystemExit, match="--windows 2: .*seeds"):
         main(["sim", "sweep", "--workload", SPEC, "--windows", "2", "--profile", "h200"])
+
+
+def test_sim_sweep_over_several_workloads_sets_them_side_by_side(capsys, tmp_path):
+    from feather_cli.main import main
+
+    other = "prefix-groups:num_requests=60,groups=8,output_tokens_max=32"
+    assert main(["sim", "sweep", "--workload", SPEC, "--workload", f"eight={other}", "--profile", "h200",
+                 "--loads", "0.7,1.1", "--policies", "fcfs,lpm,feather-resident", "--plot",
+                 str(tmp_path / "sweep.png"), "--json"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    report = json.loads(lines[-1])
+    first, second = report["workloads"]
+    assert (first["workload"], first["spec"], second["workload"], second["spec"]) == (
+        "prefix-groups", SPEC, "eight", other)
+    assert first["rows"] != second["rows"] and report["heuristics"][0] == "fcfs"
+    resident = {row["load"]: row["goodput_vs_best_heuristic"] for row in second["summary"]
+                if row["policy"] == "feather-resident"}
+    text = "\n".join(lines[:-1])
+    assert "goodput over the best heuristic's, by workload" in text
+    block = next(index for index, line in enumerate(lines) if line.startswith("feather-resident "))
+    assert lines[block].split()[:2] == ["feather-resident", "prefix-groups"]
+    assert lines[block + 1].split() == ["eight", *(f"{ratio:.3f}" for ratio in
+                                                   (resident[0.7], resident[1.1], min(resident.values())))]
+    assert all(len(line) <= 120 for line in lines[:-1])
+    assert (tmp_path / "sweep_prefix-groups.png").stat().st_size > 0 and (tmp_path / "sweep_eight.png").exists()
+
+
+def test_format_across_marks_what_was_not_judged():
+    from feather_gym.sweep import format_across, summarise_sweeps
+
+    judged = summarise_sweeps([{"rows": _sweep_rows(0.9, {"fcfs": 2.0, "trained": 1.0},
+                                                    {"fcfs": 1.0, "trained": 1.0})}])
+    unjudged = summarise_sweeps([{"rows": _sweep_rows(0.9, {"trained": 1.0}, {"trained": 1.0})}])
+    lines = format_across({"a": judged, "b": unjudged}).splitlines()
+    assert lines[2].split() == ["fcfs", "a", "1.000", "1.000"] and lines[3].split() == ["b", "-", "-"]
+    assert lines[4].split() == ["trained", "a", "0.500", "0.500"]
