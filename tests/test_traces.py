@@ -300,6 +300,21 @@ def test_resolve_workload_generator_specs():
     assert len(resolve_workload("no-sharing:num_requests=7")) == 7
 
 
+def test_with_params_sets_a_generators_parameters_in_place_or_appended():
+    from traces.workload import with_params
+
+    spec = with_params("prefix-groups:num_requests=32,groups=4,rate=1000", num_requests=256, prefix_tokens=64)
+    assert spec == "prefix-groups:num_requests=256,groups=4,rate=1000,prefix_tokens=64"
+    assert len(resolve_workload(spec)) == 256
+    assert with_params("no-sharing", num_requests=5) == "no-sharing:num_requests=5"
+    for bad, message in (("mooncake", "not a generator"), ("no-sharing:groups=2", "valid keys"),
+                         ("prefix-groups:groups", "bad parameter")):
+        with pytest.raises(ValueError, match=message):
+            with_params(bad, num_requests=5)
+    with pytest.raises(ValueError, match="valid keys"):
+        with_params("no-sharing", groups=2)
+
+
 def test_resolve_workload_file(tmp_path):
     path = write_lines(tmp_path, "mc.jsonl", MOONCAKE)
     assert len(resolve_workload(str(path))) == 3

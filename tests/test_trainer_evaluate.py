@@ -12,10 +12,12 @@ from trainer.evaluate import (
     TARGET_TOLERANCE,
     TIE_TOLERANCE,
     Benchmark,
+    fewer_within_slo,
     format_table,
     paired_ratio,
     paired_sign,
     scores_higher,
+    slo_share,
     slower_workloads,
     validation_score,
 )
@@ -106,6 +108,28 @@ def test_slower_workloads_pairs_two_evaluations_of_one_benchmark(heavy_bench):
     (heavy,) = heavy_bench.baselines
     assert slower_workloads(fcfs, rule) == [heavy]
     assert slower_workloads(rule, fcfs) == [] and slower_workloads(rule, rule) == []
+
+
+def _within_slo_scaled(evaluation, factor):
+    """``evaluation`` with the evaluated policy's share within the SLO times ``factor`` on every workload."""
+    def scaled(result):
+        figures = result["load"][POLICY_LABEL]
+        return {**result, "load": {**result["load"],
+                                   POLICY_LABEL: {**figures, "slo_met_fraction": factor * figures["slo_met_fraction"]}}}
+    return {**evaluation, "workloads": [scaled(result) for result in evaluation["workloads"]]}
+
+
+def test_fewer_within_slo_compares_the_mean_share_within_the_slo_over_the_workloads(heavy_bench):
+    """What keeps a validated checkpoint from buying throughput with latency: the share of requests
+    within the SLO, each workload's mean over its runs, averaged over the workloads."""
+    rule = heavy_bench.evaluate(make_policy("feather-rule"))
+    expected = np.mean([heavy_bench.runs(spec, make_policy("feather-rule"))["slo_met_fraction"].mean()
+                        for spec in heavy_bench.baselines])
+    assert slo_share(rule) == pytest.approx(expected) and 0 < slo_share(rule) <= 1
+    assert not fewer_within_slo(rule, rule)
+    lower = _within_slo_scaled(rule, 0.99)
+    assert fewer_within_slo(lower, rule) and not fewer_within_slo(rule, lower)
+    assert not fewer_within_slo(_within_slo_scaled(rule, 1 - TIE_TOLERANCE / 2), rule)   # within the tie tolerance
 
 
 def test_beyond_a_reference_counts_only_differences_beyond_noise():

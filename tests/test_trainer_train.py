@@ -98,6 +98,10 @@ def test_tiny_training_run_exports_a_valid_policy(tmp_path, capsys, monkeypatch)
     # The first validation is the start; the kept network is significantly slower on no workload.
     slower = {v["iteration"]: v["slower_than_start"] for v in summary["validation"]["history"]}
     assert slower[0] == [] and slower[summary["validation"]["best_iteration"]] == []
+    # ... and serves no smaller share of requests within the SLO than the start.
+    within = {v["iteration"]: v["slo_met_fraction"] for v in summary["validation"]["history"]}
+    assert within[summary["validation"]["best_iteration"]] >= (1 - 0.001) * within[0]
+    assert all(0 <= share <= 1 for share in within.values())
 
     model = onnx.load(out / "policy.onnx")
     onnx.checker.check_model(model, full_check=True)

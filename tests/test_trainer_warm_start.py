@@ -8,7 +8,9 @@ from feather_gym.envs import BatchFormationEnv
 from feather_gym.observation import NUM_FEATURES, OBS_CLIP
 from feather_gym.policies import FeatherRule, playout_futures
 from trainer.warm_start import (
+    DEMO_LOAD_REQUESTS,
     clone_into,
+    demonstrated,
     demonstrator,
     improved_action,
     playout_return,
@@ -157,3 +159,28 @@ def test_playouts_stop_at_their_deadline_and_the_later_decisions_keep_the_rules_
     later = record_demonstrations("feather-rule", no_sharing, seeds=range(1), min_gain=0.0,
                                   playout_until=time.time() + 3600)
     assert later.played == int((plain.actions != 0).sum()) > 0 and later.relabelled > 0   # every ADD played out
+
+
+@pytest.mark.parametrize("workload, expected", [
+    ("prefix-groups:num_requests=32,groups=4@load=0.9",
+     f"prefix-groups:num_requests={DEMO_LOAD_REQUESTS},groups=4@load=0.9"),
+    ("no-sharing:rate=1000@load=1.3", "no-sharing:rate=1000@load=1.3"),      # the generator's default 1,000 requests
+    *[(spec, spec) for spec in [f"no-sharing:num_requests={DEMO_LOAD_REQUESTS + 1}@load=0.6"]],
+    ("prefix-groups:num_requests=32,groups=4", "prefix-groups:num_requests=32,groups=4"),   # at its own rate
+    ("mooncake@0-0.1@load=0.9", "mooncake@0-0.1@load=0.9"),                    # a trace is what it is
+    ("no-sharing:num_requests=32@0-0.5@load=0.9", "no-sharing:num_requests=32@0-0.5@load=0.9"),   # a window
+])
+def test_a_generator_at_a_load_is_demonstrated_on_a_longer_trace_of_its_shape(workload, expected):
+    assert demonstrated(workload) == expected
+
+
+def test_the_longer_demonstration_is_the_same_shape_at_the_same_load():
+    from feather_gym.costmodel import load_cost_model
+    from feather_gym.load import resolve_at_load
+
+    short = "prefix-groups:num_requests=32,groups=4,prefix_tokens=384,output_tokens_max=32,rate=1000@load=0.9"
+    cost_model = load_cost_model("vllm-cpu")
+    trace, report = resolve_at_load(demonstrated(short), seed=3, cost_model=cost_model)
+    assert len(trace) == DEMO_LOAD_REQUESTS and report["load"] == 0.9
+    first, _ = resolve_at_load(short.partition("@")[0], seed=3, cost_model=cost_model)
+    assert {request.group for request in trace} == {request.group for request in first}

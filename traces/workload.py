@@ -123,6 +123,21 @@ def parse_params(kind: str, text: str) -> dict:
     return params
 
 
+def with_params(spec: str, **params) -> str:
+    """Generator spec ``spec`` (``KIND`` or ``KIND:key=value,...``) with ``params`` set: a key it
+    gives is replaced in place, a new one appended. ``ValueError`` when ``spec`` is not a generator
+    or a parameter is not the generator's (as :func:`parse_params` says)."""
+    kind, _, text = spec.partition(":")
+    if kind not in GENERATOR_KINDS:
+        raise ValueError(f"with_params: {spec!r} is not a generator spec (KIND[:key=value,...])")
+    parse_params(kind, text)
+    items = dict(item.split("=", 1) for item in filter(None, (part.strip() for part in text.split(","))))
+    items |= {key: str(value) for key, value in params.items()}
+    updated = f"{kind}:" + ",".join(f"{key}={value}" for key, value in items.items())
+    parse_params(kind, updated.partition(":")[2])
+    return updated
+
+
 def resolve_workload(spec: str, *, seed: int = 0, skip_bad: bool = False) -> Trace:
     """The trace a workload spec names (see the module docstring).
 

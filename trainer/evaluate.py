@@ -186,6 +186,19 @@ def slower_workloads(evaluation: dict, reference: dict) -> list[str]:
                                         np.array(start[result["workload"]]))) < 0]
 
 
+def slo_share(evaluation: dict) -> float:
+    """The evaluated policy's share of requests within the SLO: the mean over the evaluation's
+    workloads of each one's mean over its runs."""
+    return float(np.mean([figure(result, POLICY_LABEL, "slo_met_fraction") for result in evaluation["workloads"]]))
+
+
+def fewer_within_slo(evaluation: dict, reference: dict) -> bool:
+    """Whether the policy of ``evaluation`` serves a smaller share of requests within the SLO than
+    that of ``reference`` (:func:`slo_share`, two evaluations of one benchmark), by more than the
+    tie tolerance (relative)."""
+    return slo_share(evaluation) < (1 - TIE_TOLERANCE) * slo_share(reference)
+
+
 def validation_score(evaluation: dict) -> tuple[float, float]:
     """How close an evaluation comes to meeting every target within its tolerance, for ranking
     checkpoints: ``(worst target margin, mean margin)`` compared in that order

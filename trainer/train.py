@@ -177,8 +177,11 @@ class BestCheckpoint:
     greedy policy, the one deployed, gets worse. The first validation is the start (the warm-start
     clone, or the resumed checkpoint) and is always kept; a later network is kept only if, paired
     run by run with the start, it is significantly slower on no workload
-    (:func:`trainer.evaluate.slower_workloads`). Without that, the worst-margin score would let any
-    workload fall to the level of the worst.
+    (:func:`trainer.evaluate.slower_workloads`), and if its share of requests within the SLO is not
+    below the start's by more than the tie tolerance (:func:`trainer.evaluate.fewer_within_slo`).
+    Without the first, the worst-margin score would let any workload fall to the level of the
+    worst; without the second, PPO's throughput reward could buy throughput with the latency a
+    service is judged by (a warm start that holds requests for goodput loses its holds).
     """
 
     def __init__(self, algo, config: TrainConfig, path: Path) -> None:
@@ -196,7 +199,14 @@ class BestCheckpoint:
 
     def validate(self, iteration: int) -> str:
         """Score the current network; save the checkpoint when it is the best so far. Returns a log line."""
-        from trainer.evaluate import by_load, scores_higher, slower_workloads, validation_score
+        from trainer.evaluate import (
+            by_load,
+            fewer_within_slo,
+            scores_higher,
+            slo_share,
+            slower_workloads,
+            validation_score,
+        )
 
         start = time.monotonic()
         module = learner_module(self.algo)
@@ -208,15 +218,18 @@ class BestCheckpoint:
         margins = [round(result["margin"], 4) for result in evaluation["workloads"]]
         loads = {load: {"worst_margin": summary["margin_worst"], "mean_margin": summary["margin_mean"]}
                  for load, summary in by_load(evaluation).items()}
+        fewer = fewer_within_slo(evaluation, self.start)
         self.history.append({"iteration": iteration, "worst_margin": worst, "mean_margin": mean, "margins": margins,
-                             "by_load": loads, "slower_than_start": slower})
-        kept = scores_higher(score, self.best_score) and not slower
+                             "by_load": loads, "slower_than_start": slower, "slo_met_fraction": slo_share(evaluation)})
+        kept = scores_higher(score, self.best_score) and not slower and not fewer
         if kept:
             self.best_score, self.best_iteration = score, iteration
             self.algo.save_to_path(str(self.path.resolve()))
         verdict = (" (best so far, checkpoint saved)" if kept else
                    f" (slower than the start on {', '.join(workload_labels(slower))}; "
                    f"best at iteration {self.best_iteration})" if slower else
+                   f" (fewer requests within the SLO than the start, {slo_share(evaluation):.4f} against "
+                   f"{slo_share(self.start):.4f}; best at iteration {self.best_iteration})" if fewer else
                    f" (best at iteration {self.best_iteration})")
         self.validation_s += time.monotonic() - start
         per_load = ", ".join(f"{load} {m['worst_margin']:.4f}/{m['mean_margin']:.4f}" for load, m in loads.items())

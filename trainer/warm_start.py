@@ -39,6 +39,12 @@ demonstrated with the heuristic's own labels (:data:`PLAIN`). At a load factor r
 in, so the rest of an episode is several times the engine steps of a burst's, and a trace file's
 episode is hundreds of decisions: playing those out would spend most of ``feather-train``'s
 budget before PPO starts. A trace file is recorded once (its seed changes nothing but the window).
+A generator at a load factor is demonstrated on a longer trace of its shape than the mix gives it
+(:func:`demonstrated`): at a load, the states a served queue reaches (several prefix groups
+waiting, a deeper-resident candidate behind the first) build up over hundreds of arrivals, and the
+short traces of the CPU mix end before they do, so a clone fitted on them alone mostly admits the
+first candidate where its demonstrator would choose another. Only the demonstrations are longer;
+PPO and validation run the mix as given.
 A run on a time budget also stops playing out at a deadline, :data:`PLAYOUT_SHARE` of its budget
 after the warm start began: the played-out episodes go seed by seed, and the decisions after the
 deadline keep the heuristic's labels, so on a slower or busier machine fewer labels are improved
@@ -72,6 +78,8 @@ PLAIN = (4, 30)
 IMPROVED = (8, 300)
 #: Share of a time budget after which the warm start plays nothing more out (see above).
 PLAYOUT_SHARE = 0.2
+#: Requests at least in a generated workload demonstrated at a load factor (:func:`demonstrated`).
+DEMO_LOAD_REQUESTS = 256
 
 
 def demonstration_seeds(improve: bool) -> range:
@@ -87,6 +95,24 @@ def plays_out(workload: str) -> bool:
     from traces.workload import is_generated
 
     return is_generated(workload) and split_load(workload)[1] is None
+
+
+def demonstrated(workload: str) -> str:
+    """The spec the warm start records for mix workload ``workload``: a generator at a load factor
+    (``SPEC@load=X``) with at least :data:`DEMO_LOAD_REQUESTS` requests; anything else as it is,
+    a time window of a generator too."""
+    from feather_gym.load import split_load
+    from traces.generators import generator_class
+    from traces.workload import is_generated, parse_params, with_params
+
+    base, load = split_load(workload)
+    if load is None or not is_generated(base) or "@" in base:
+        return workload
+    kind, _, text = base.partition(":")
+    requests = parse_params(kind, text).get("num_requests", generator_class(kind).num_requests)
+    if requests >= DEMO_LOAD_REQUESTS:
+        return workload
+    return with_params(base, num_requests=DEMO_LOAD_REQUESTS) + workload[len(base):]
 
 
 @dataclass(frozen=True)
@@ -248,7 +274,7 @@ def warm_start(algo, policy_name: str, env_config: dict, *, smoothing: float = 0
 
     start = time.monotonic()
     played = [workload for workload in env_config["workloads"] if min_gain is not None and plays_out(workload)]
-    plain = [workload for workload in env_config["workloads"] if workload not in played]
+    plain = [demonstrated(workload) for workload in env_config["workloads"] if workload not in played]
     # Every core records (the env runners idle until PPO starts).
     workers = len(os.sched_getaffinity(0))
     until = None if playout_s is None else time.time() + playout_s
