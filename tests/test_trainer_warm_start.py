@@ -165,7 +165,8 @@ def test_playouts_stop_at_their_deadline_and_the_later_decisions_keep_the_rules_
     ("prefix-groups:num_requests=32,groups=4@load=0.9",
      f"prefix-groups:num_requests={DEMO_LOAD_REQUESTS},groups=4@load=0.9"),
     ("no-sharing:rate=1000@load=1.3", "no-sharing:rate=1000@load=1.3"),      # the generator's default 1,000 requests
-    *[(spec, spec) for spec in [f"no-sharing:num_requests={DEMO_LOAD_REQUESTS + 1}@load=0.6"]],
+    (f"no-sharing:num_requests={DEMO_LOAD_REQUESTS + 1}@load=0.6",
+     f"no-sharing:num_requests={DEMO_LOAD_REQUESTS + 1}@load=0.6"),
     ("prefix-groups:num_requests=32,groups=4", "prefix-groups:num_requests=32,groups=4"),   # at its own rate
     ("mooncake@0-0.1@load=0.9", "mooncake@0-0.1@load=0.9"),                    # a trace is what it is
     ("no-sharing:num_requests=32@0-0.5@load=0.9", "no-sharing:num_requests=32@0-0.5@load=0.9"),   # a window

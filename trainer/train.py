@@ -218,9 +218,9 @@ class BestCheckpoint:
         margins = [round(result["margin"], 4) for result in evaluation["workloads"]]
         loads = {load: {"worst_margin": summary["margin_worst"], "mean_margin": summary["margin_mean"]}
                  for load, summary in by_load(evaluation).items()}
-        fewer = fewer_within_slo(evaluation, self.start)
+        within_slo, fewer = slo_share(evaluation), fewer_within_slo(evaluation, self.start)
         self.history.append({"iteration": iteration, "worst_margin": worst, "mean_margin": mean, "margins": margins,
-                             "by_load": loads, "slower_than_start": slower, "slo_met_fraction": slo_share(evaluation)})
+                             "by_load": loads, "slower_than_start": slower, "slo_met_fraction": within_slo})
         kept = scores_higher(score, self.best_score) and not slower and not fewer
         if kept:
             self.best_score, self.best_iteration = score, iteration
@@ -228,7 +228,7 @@ class BestCheckpoint:
         verdict = (" (best so far, checkpoint saved)" if kept else
                    f" (slower than the start on {', '.join(workload_labels(slower))}; "
                    f"best at iteration {self.best_iteration})" if slower else
-                   f" (fewer requests within the SLO than the start, {slo_share(evaluation):.4f} against "
+                   f" (fewer requests within the SLO than the start, {within_slo:.4f} against "
                    f"{slo_share(self.start):.4f}; best at iteration {self.best_iteration})" if fewer else
                    f" (best at iteration {self.best_iteration})")
         self.validation_s += time.monotonic() - start
