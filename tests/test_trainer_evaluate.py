@@ -12,6 +12,7 @@ from trainer.evaluate import (
     TARGET_TOLERANCE,
     TIE_TOLERANCE,
     Benchmark,
+    faster_workloads,
     fewer_within_slo,
     format_table,
     paired_ratio,
@@ -100,14 +101,15 @@ def test_paired_sign_counts_only_differences_beyond_the_tolerance_and_two_standa
     assert paired_sign(pair(1 - TIE_TOLERANCE / 2, 0.0)) == 0    # within the tie tolerance
 
 
-def test_slower_workloads_pairs_two_evaluations_of_one_benchmark(heavy_bench):
-    """What keeps a validated checkpoint from trading one workload for another: FCFS is
-    significantly slower than the rule it would replace, the rule is not slower than FCFS, and
-    a policy is never slower than itself."""
+def test_slower_and_faster_workloads_pair_two_evaluations_of_one_benchmark(heavy_bench):
+    """What keeps a validated checkpoint from trading one workload for another, and from replacing
+    its start without a gain: FCFS is significantly slower than the rule it would replace, the
+    rule significantly faster than FCFS, and a policy neither slower nor faster than itself."""
     fcfs, rule = (heavy_bench.evaluate(make_policy(name)) for name in ("fcfs", "feather-rule"))
     (heavy,) = heavy_bench.baselines
-    assert slower_workloads(fcfs, rule) == [heavy]
-    assert slower_workloads(rule, fcfs) == [] and slower_workloads(rule, rule) == []
+    assert slower_workloads(fcfs, rule) == [heavy] and faster_workloads(fcfs, rule) == []
+    assert slower_workloads(rule, fcfs) == [] and faster_workloads(rule, fcfs) == [heavy]
+    assert slower_workloads(rule, rule) == [] and faster_workloads(rule, rule) == []
 
 
 def _within_slo_scaled(evaluation, factor):

@@ -176,14 +176,25 @@ def paired_sign(pair: dict) -> int:
     return int(np.sign(pair["ratio_mean"] - 1)) if distance > 0 else 0
 
 
-def slower_workloads(evaluation: dict, reference: dict) -> list[str]:
-    """The workloads on which the policy of ``evaluation`` is significantly slower
-    (:func:`paired_sign`) than that of ``reference``, paired run by run: two
-    :meth:`Benchmark.evaluate` results of one benchmark."""
+def paired_signs(evaluation: dict, reference: dict) -> dict[str, int]:
+    """Per workload, :func:`paired_sign` of the policy of ``evaluation`` against that of
+    ``reference``, paired run by run: two :meth:`Benchmark.evaluate` results of one benchmark."""
     start = {result["workload"]: result["trained_runs"] for result in reference["workloads"]}
-    return [result["workload"] for result in evaluation["workloads"]
-            if paired_sign(paired_ratio(np.array(result["trained_runs"]),
-                                        np.array(start[result["workload"]]))) < 0]
+    return {result["workload"]: paired_sign(paired_ratio(np.array(result["trained_runs"]),
+                                                         np.array(start[result["workload"]])))
+            for result in evaluation["workloads"]}
+
+
+def slower_workloads(evaluation: dict, reference: dict) -> list[str]:
+    """The workloads on which the policy of ``evaluation`` is significantly slower than that of
+    ``reference`` (:func:`paired_signs`)."""
+    return [workload for workload, sign in paired_signs(evaluation, reference).items() if sign < 0]
+
+
+def faster_workloads(evaluation: dict, reference: dict) -> list[str]:
+    """The workloads on which the policy of ``evaluation`` is significantly faster than that of
+    ``reference`` (:func:`paired_signs`)."""
+    return [workload for workload, sign in paired_signs(evaluation, reference).items() if sign > 0]
 
 
 def slo_share(evaluation: dict) -> float:
