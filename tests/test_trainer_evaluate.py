@@ -12,14 +12,13 @@ from trainer.evaluate import (
     TARGET_TOLERANCE,
     TIE_TOLERANCE,
     Benchmark,
-    faster_workloads,
     fewer_within_slo,
     format_table,
     paired_ratio,
     paired_sign,
+    paired_signs,
     scores_higher,
     slo_share,
-    slower_workloads,
     validation_score,
 )
 from trainer.train import beyond
@@ -101,15 +100,15 @@ def test_paired_sign_counts_only_differences_beyond_the_tolerance_and_two_standa
     assert paired_sign(pair(1 - TIE_TOLERANCE / 2, 0.0)) == 0    # within the tie tolerance
 
 
-def test_slower_and_faster_workloads_pair_two_evaluations_of_one_benchmark(heavy_bench):
+def test_paired_signs_pair_two_evaluations_of_one_benchmark(heavy_bench):
     """What keeps a validated checkpoint from trading one workload for another, and from replacing
     its start without a gain: FCFS is significantly slower than the rule it would replace, the
     rule significantly faster than FCFS, and a policy neither slower nor faster than itself."""
     fcfs, rule = (heavy_bench.evaluate(make_policy(name)) for name in ("fcfs", "feather-rule"))
     (heavy,) = heavy_bench.baselines
-    assert slower_workloads(fcfs, rule) == [heavy] and faster_workloads(fcfs, rule) == []
-    assert slower_workloads(rule, fcfs) == [] and faster_workloads(rule, fcfs) == [heavy]
-    assert slower_workloads(rule, rule) == [] and faster_workloads(rule, rule) == []
+    assert paired_signs(fcfs, rule) == {heavy: -1}
+    assert paired_signs(rule, fcfs) == {heavy: 1}
+    assert paired_signs(rule, rule) == {heavy: 0}
 
 
 def _within_slo_scaled(evaluation, factor):

@@ -178,23 +178,12 @@ def paired_sign(pair: dict) -> int:
 
 def paired_signs(evaluation: dict, reference: dict) -> dict[str, int]:
     """Per workload, :func:`paired_sign` of the policy of ``evaluation`` against that of
-    ``reference``, paired run by run: two :meth:`Benchmark.evaluate` results of one benchmark."""
+    ``reference``, paired run by run (two :meth:`Benchmark.evaluate` results of one benchmark):
+    -1 significantly slower, +1 significantly faster, 0 neither."""
     start = {result["workload"]: result["trained_runs"] for result in reference["workloads"]}
     return {result["workload"]: paired_sign(paired_ratio(np.array(result["trained_runs"]),
                                                          np.array(start[result["workload"]])))
             for result in evaluation["workloads"]}
-
-
-def slower_workloads(evaluation: dict, reference: dict) -> list[str]:
-    """The workloads on which the policy of ``evaluation`` is significantly slower than that of
-    ``reference`` (:func:`paired_signs`)."""
-    return [workload for workload, sign in paired_signs(evaluation, reference).items() if sign < 0]
-
-
-def faster_workloads(evaluation: dict, reference: dict) -> list[str]:
-    """The workloads on which the policy of ``evaluation`` is significantly faster than that of
-    ``reference`` (:func:`paired_signs`)."""
-    return [workload for workload, sign in paired_signs(evaluation, reference).items() if sign > 0]
 
 
 def slo_share(evaluation: dict) -> float:

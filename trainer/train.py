@@ -177,7 +177,7 @@ class BestCheckpoint:
     greedy policy, the one deployed, gets worse. The first validation is the start (the warm-start
     clone, or the resumed checkpoint) and is always kept; a later network is kept only if, paired
     run by run with the start, it is significantly faster on some workload and significantly slower
-    on none (:func:`trainer.evaluate.faster_workloads`, :func:`~trainer.evaluate.slower_workloads`),
+    on none (:func:`trainer.evaluate.paired_signs`),
     and if its share of requests within the SLO is not below the start's by more than the tie
     tolerance (:func:`trainer.evaluate.fewer_within_slo`). Without the first, a network no better
     than the start on the validation seeds would replace it, and differ from it where those seeds
@@ -204,11 +204,10 @@ class BestCheckpoint:
         """Score the current network; save the checkpoint when it is the best so far. Returns a log line."""
         from trainer.evaluate import (
             by_load,
-            faster_workloads,
             fewer_within_slo,
+            paired_signs,
             scores_higher,
             slo_share,
-            slower_workloads,
             validation_score,
         )
 
@@ -217,7 +216,9 @@ class BestCheckpoint:
         evaluation = self.benchmark.evaluate(NetworkPolicy(module))
         first = self.start is None
         self.start = self.start or evaluation
-        slower, faster = slower_workloads(evaluation, self.start), faster_workloads(evaluation, self.start)
+        signs = paired_signs(evaluation, self.start)
+        slower = [workload for workload, sign in signs.items() if sign < 0]
+        faster = [workload for workload, sign in signs.items() if sign > 0]
         score = validation_score(evaluation)
         worst, mean = min(result["margin"] for result in evaluation["workloads"]), score[1]
         margins = [round(result["margin"], 4) for result in evaluation["workloads"]]
