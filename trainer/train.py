@@ -177,14 +177,14 @@ class BestCheckpoint:
     greedy policy, the one deployed, gets worse. The first validation is the start (the warm-start
     clone, or the resumed checkpoint) and is always kept; a later network is kept only if, paired
     run by run with the start, it is significantly faster on some workload and significantly slower
-    on none (:func:`trainer.evaluate.paired_signs`),
-    and if its share of requests within the SLO is not below the start's by more than the tie
-    tolerance (:func:`trainer.evaluate.fewer_within_slo`). Without the first, a network no better
-    than the start on the validation seeds would replace it, and differ from it where those seeds
-    do not reach (the long queues of hundreds of arrivals that the start's demonstrations cover);
-    without the second, the worst-margin score would let any workload fall to the level of the
-    worst; without the third, PPO's throughput reward could buy throughput with the latency a
-    service is judged by (a warm start that holds requests for goodput loses its holds).
+    on none (:func:`trainer.evaluate.paired_signs`), and if its share of requests within the SLO is
+    not below the start's by more than the tie tolerance (:func:`trainer.evaluate.fewer_within_slo`).
+    Without the first, a network no better than the start on the validation seeds would replace it,
+    and differ from it where those seeds do not reach (the long queues of hundreds of arrivals that
+    the start's demonstrations cover); without the second, the worst-margin score would let any
+    workload fall to the level of the worst; without the third, PPO's throughput reward could buy
+    throughput with the latency a service is judged by (a warm start that holds requests for
+    goodput loses its holds).
     """
 
     def __init__(self, algo, config: TrainConfig, path: Path) -> None:
