@@ -12,7 +12,8 @@ case ",$EXTRAS," in *,cpu,*) case ",$EXTRAS," in *,cuda,*)
   echo "setup: the cpu and cuda extras must never share an environment" >&2; exit 2;; esac;; esac
 case ",$EXTRAS," in *,cuda,*) STACK=cuda;; *) STACK=cpu;; esac
 
-[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+# Checking pip, not python: a venv whose creation was interrupted has python but no pip, and venv completes it.
+[ -x .venv/bin/pip ] || "$PYTHON" -m venv .venv
 # The stamp covers what the install builds from: the metadata, this script, the constraints, the compiled sources.
 stamp=".venv/.setup-$(cat pyproject.toml setup.py scripts/setup.sh constraints/*.txt cache_core/cht/native/*.cpp \
   feather_gym/native/*.cpp deploy/native/*.cpp | sha1sum | cut -c1-12)-${EXTRAS//,/_}"
