@@ -232,13 +232,16 @@ class BestCheckpoint:
         if kept:
             self.best_score, self.best_iteration = score, iteration
             self.algo.save_to_path(str(self.path.resolve()))
-        verdict = (" (best so far, checkpoint saved)" if kept else
-                   f" (slower than the start on {', '.join(workload_labels(slower))}; "
-                   f"best at iteration {self.best_iteration})" if slower else
-                   f" (fewer requests within the SLO than the start, {within_slo:.4f} against "
-                   f"{slo_share(self.start):.4f}; best at iteration {self.best_iteration})" if fewer else
-                   f" (faster than the start on no workload; best at iteration {self.best_iteration})"
-                   if not faster and not first else f" (best at iteration {self.best_iteration})")
+        if slower:
+            refusal = f"slower than the start on {', '.join(workload_labels(slower))}; "
+        elif fewer:
+            refusal = (f"fewer requests within the SLO than the start, {within_slo:.4f} against "
+                       f"{slo_share(self.start):.4f}; ")
+        elif not (first or faster):
+            refusal = "faster than the start on no workload; "
+        else:
+            refusal = ""
+        verdict = " (best so far, checkpoint saved)" if kept else f" ({refusal}best at iteration {self.best_iteration})"
         self.validation_s += time.monotonic() - start
         per_load = ", ".join(f"{load} {m['worst_margin']:.4f}/{m['mean_margin']:.4f}" for load, m in loads.items())
         return (f"validation after iteration {iteration}: margin worst {worst:.4f} mean {mean:.4f}; by load, "
