@@ -16,10 +16,10 @@ a run cut short still shows what it finished.
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
 
-from feather_cli import bench, hybrid, placement, profile, replay, sim, trace, train
 from feather_cli.options import add_version, check_required
 
 #: The command groups with their help text (``feather train`` and ``feather export`` are commands).
@@ -33,8 +33,8 @@ GROUPS = {
     "replay": "SuffixReplay: rebuild linear-attention states from anchors",
 }
 
-#: Modules whose ``register(tree)`` adds their commands.
-GROUP_MODULES = (train, bench, sim, trace, profile, placement, hybrid, replay)
+#: Modules of ``feather_cli`` whose ``register(tree)`` adds their commands, imported by :func:`build_parser`.
+GROUP_MODULES = ("train", "bench", "sim", "trace", "profile", "placement", "hybrid", "replay")
 
 #: Packages whose INFO records ``feather`` prints on stderr.
 LOGGED_PACKAGES = ("cache_core", "deploy", "feather_gym", "trainer", "traces")
@@ -98,17 +98,20 @@ class CommandTree:
         parser.set_defaults(deprecated=(old, new))
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(modules: tuple[str, ...] = GROUP_MODULES) -> argparse.ArgumentParser:
+    """The ``feather`` parser with the commands of ``modules`` (all of :data:`GROUP_MODULES` by default)."""
     parser = argparse.ArgumentParser(prog="feather", description="feather-gym: prefix-aware LLM serving inside vLLM")
     add_version(parser)
     tree = CommandTree(parser)
-    for module in GROUP_MODULES:
-        module.register(tree)
+    for name in modules:
+        importlib.import_module(f"feather_cli.{name}").register(tree)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv: list[str] | None = None, *, modules: tuple[str, ...] = GROUP_MODULES) -> int:
+    """Run ``feather ARGV``; ``modules`` as in :func:`build_parser` (a group module run on its own
+    passes only itself, so it imports only what that group needs)."""
+    args = build_parser(modules).parse_args(argv)
     if getattr(args, "deprecated", None):
         old, new = args.deprecated
         print(f"feather: '{old}' is deprecated and will be removed in the next release; use '{new}'",

@@ -1,5 +1,9 @@
 """``feather profile run|fit|analytic|prefill|refit``: profile decode steps, fit and check cost models.
 
+``python -m feather_cli.profile COMMAND ...`` runs the same commands without the other groups, so
+``run --backend torch`` and ``fit`` need only torch and numpy (how ``scripts/gpu_profile.sh``
+runs on a GPU machine where nothing of this project is installed).
+
 ``feather profile refit --from-logs LOG... --profile BASE --output NEW.json [--json]`` fits the
 step-time model to engine steps the Feather scheduler logged live (``additional_config
 ["feather"]["step_log"]``), (with the base profile's rows too with ``--with-base``), and prints the
@@ -16,7 +20,7 @@ from __future__ import annotations
 import json
 import sys
 
-from feather_cli.options import add_json, add_output, int_list, non_negative_int, positive_int
+from feather_cli.options import add_json, add_output, int_list, non_negative_int, positive_float, positive_int
 from feather_gym.costmodel.homogeneity import PAPER_SPEEDUP_BAND
 from feather_gym.costmodel.profile_io import PHASES
 from feather_gym.costmodel.shapes import MODEL_PRESETS
@@ -32,14 +36,19 @@ def _run(args) -> int:
         from feather_gym.costmodel.profiler_torch import run_torch_profile
 
         profile = run_torch_profile(args.model, args.device, quick=args.quick, profiled_layers=args.layers,
-                                    repeats=args.repeats, name=args.name, progress=progress, threads=args.threads)
+                                    repeats=args.repeats, name=args.name, progress=progress, threads=args.threads,
+                                    budget_s=args.budget_s)
+    elif args.budget_s is not None:
+        raise ValueError("--budget-s: only the torch backend measures to a time budget")
     else:
         from feather_gym.costmodel.profiler_vllm import run_vllm_profile
 
         profile = run_vllm_profile(args.model, args.device, quick=args.quick, repeats=args.repeats,
                                    name=args.name, progress=progress, threads=args.threads)
     save_profile(profile, args.output)
-    print(f"wrote {len(profile['measurements'])} measurements to {args.output}")
+    skipped = profile["settings"].get("skipped_points")
+    print(f"wrote {len(profile['measurements'])} measurements to {args.output}"
+          + (f" ({skipped} grid points left out by --budget-s)" if skipped else ""))
     return 0
 
 
@@ -48,7 +57,8 @@ def _fit(args) -> int:
     from feather_gym.costmodel.model import profile_path
     from feather_gym.costmodel.profile_io import load_profile
 
-    report = fit_report(load_profile(profile_path(args.profile)))
+    against = None if args.against is None else load_profile(profile_path(args.against))
+    report = fit_report(load_profile(profile_path(args.profile)), against)
     for variant, entry in report["variants"].items():
         print(f"[{report['profile']} / {variant}] {report['model']} on {report['hardware']} ({report['kind']})")
         c = entry["coefficients"]
@@ -69,6 +79,16 @@ def _fit(args) -> int:
         _print_comparison("predicted", entry["homogeneity"])
         if entry.get("homogeneity_measured"):
             _print_comparison("measured", entry["homogeneity_measured"])
+        if "paper_point" in entry:
+            _print_comparison("paper point, predicted", entry["paper_point"])
+        if "against" in entry:
+            a = entry["against"]
+            print(f"  {a['profile']} on these measurements: MAPE {a['mape']:.1%}, worst {a['max_ape']:.1%}, "
+                  f"predicted/measured median x{a['predicted_over_measured_median']:.2f}; "
+                  + ", ".join(f"{phase} ({a[f'{phase}_rows']}) {a[f'{phase}_mape']:.1%}, "
+                              f"x{a[f'{phase}_predicted_over_measured_median']:.2f}"
+                              for phase in PHASES if f"{phase}_rows" in a))
+            _print_comparison(f"{a['profile']}, predicted", a["homogeneity"])
     if args.json:
         print(json.dumps(report))
     return 0
@@ -158,10 +178,16 @@ def register(tree) -> None:
     run.add_argument("--threads", type=positive_int, default=1,
                      help="torch intra-op threads (default 1: steps are timed in thread CPU time, robust to load)")
     run.add_argument("--name", default=None, help="profile name (default: the device)")
+    run.add_argument("--budget-s", type=positive_float, default=None,
+                     help="torch: start no grid point after this many seconds of measuring; the homogeneity "
+                          "points and prefills go first, the rest in a seeded random order (default: no budget)")
     add_output(run, "profile JSON file to write")
     run.set_defaults(func=_run)
     fit = profile.add_parser("fit", help="fit a cost model to a profile; print held-out error and homogeneity check")
     fit.add_argument("profile", help="profile file or shipped name")
+    fit.add_argument("--against", default=None, metavar="PROFILE",
+                     help="also report how this profile file or shipped name (of the same model) predicts the "
+                          "measurements, e.g. a GPU's analytic profile beside its measured one")
     add_json(fit)
     fit.set_defaults(func=_fit)
     analytic = profile.add_parser("analytic", help="write an analytic GPU profile from public specs")
@@ -202,3 +228,9 @@ def register(tree) -> None:
     refit.add_argument("--name", default=None, help="name of the new profile (default: BASE-refit)")
     add_json(refit)
     refit.set_defaults(func=_refit)
+
+
+if __name__ == "__main__":
+    from feather_cli.main import main
+
+    sys.exit(main(["profile", *sys.argv[1:]], modules=("profile",)))

@@ -23,6 +23,15 @@ ALIASES = {"serve bench --policy feather-rule": "bench serve --policies feather-
            "profile prefill --out p.json": "profile prefill -o p.json"}
 
 
+def test_a_group_module_alone_builds_only_its_commands(capsys):
+    """What ``python -m feather_cli.profile`` builds: the profile group's commands and no other."""
+    parser = build_parser(("profile",))
+    assert callable(parser.parse_args(["profile", "fit", "cpu"]).func)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["sim", "compare", "--workload", "prefix-groups"])
+    assert "invalid choice: 'sim'" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("command", COMMANDS)
 def test_every_command_parses(command):
     args = build_parser().parse_args(command.split())

@@ -329,6 +329,37 @@ def test_cli_fit_prints_held_out_error_as_json(name, capsys):
         assert phases == ["decode", "prefill", "mixed"]
 
 
+def test_fit_against_reports_how_a_second_profile_predicts_the_measurements(tmp_path, capsys):
+    """Measurements made exactly twice an analytic model's predictions: that model is read as
+    predicting half of every step (MAPE 50%, median ratio 0.5), per phase too."""
+    from feather_cli.main import main
+
+    analytic = analytic_profile("h200", "smollm2-135m")
+    measured = load_profile(PROFILE_DIR / "cpu.json")   # torch backend, smollm2-135m, both variants
+    for row in measured["measurements"]:
+        if row["phase"] == "prefill" or row["attention"] == "cascade":
+            model = cost_model_from_profile(analytic, cascade=True)
+            row.update(median_s=2 * float(predict_rows([row], model.coefficients, model.model_shape,
+                                                       model.cache_bytes, True)[0]))
+    path = tmp_path / "measured.json"
+    path.write_text(json.dumps(measured))
+    analytic_path = tmp_path / "analytic.json"
+    analytic_path.write_text(json.dumps(analytic))
+    assert main(["profile", "fit", str(path), "--against", str(analytic_path), "--json"]) == 0
+    out = capsys.readouterr().out
+    report = json.loads(out.strip().splitlines()[-1])
+    assert report["against"] == {"profile": "h200", "kind": "analytic"}
+    against = report["variants"]["cascade"]["against"]
+    assert against["rows"] == against["decode_rows"] + against["prefill_rows"] == report["variants"]["cascade"][
+        "held_out"]["rows"]
+    for key in ("", "decode_", "prefill_"):
+        assert against[f"{key}mape"] == pytest.approx(0.5) and against[f"{key}max_ape"] == pytest.approx(0.5)
+        assert against[f"{key}predicted_over_measured_median"] == pytest.approx(0.5)
+    assert against["homogeneity"]["mixed_step_s"] > 0 and "h200 on these measurements: MAPE 50.0%" in out
+    assert main(["profile", "fit", str(path), "--against", "h200"]) == 2   # llama3-8b: another model
+    assert "is of llama3-8b" in capsys.readouterr().err
+
+
 def test_cli_fit_rejects_bad_profile(tmp_path, capsys):
     from feather_cli.main import main
 

@@ -3,13 +3,26 @@ vLLM: the grids fit the engine's limits, and a live engine's steps are timed as 
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 torch = pytest.importorskip("torch")
 
 from feather_gym.costmodel import model_preset  # noqa: E402
 from feather_gym.costmodel.profile_io import validate_profile  # noqa: E402
-from feather_gym.costmodel.profiler_torch import DecodePoint, TorchStepRunner, run_torch_profile  # noqa: E402
+from feather_gym.costmodel.profiler_torch import (  # noqa: E402
+    HOMOGENEITY_POINTS,
+    DecodePoint,
+    TorchStepRunner,
+    measurement_order,
+    run_torch_profile,
+)
 from feather_gym.costmodel.profiler_vllm import (  # noqa: E402
     VLLM_HOMOGENEITY,
     EngineLimits,
@@ -50,6 +63,23 @@ def test_prefix_attention_merged_by_lse_equals_full_attention(runner, cascade):
         torch.testing.assert_close(merged[i], expected, rtol=1e-4, atol=1e-5)
 
 
+def test_per_request_attention_reads_each_group_prefix_in_place(runner, monkeypatch):
+    """per_request: one call per group, its requests a batch over the group's prefix broadcast to
+    them (a stride-0 view of the pool, not a copy)."""
+    b, g, prefix = 6, 2, 40
+    kvh, d, per_kv = SHAPE.kv_heads, SHAPE.head_dim, SHAPE.heads // SHAPE.kv_heads
+    k_pre, v_pre = torch.randn(2, g, kvh, prefix, d)
+    calls, attend = [], runner._attend
+
+    def spy(q, k, v, causal=False):
+        calls.append((q.shape[0], k.shape[0], k.stride(0), k.data_ptr()))
+        return attend(q, k, v, causal)
+
+    monkeypatch.setattr(runner, "_attend", spy)
+    runner._prefix_attention(torch.randn(b, kvh, per_kv, d), k_pre, v_pre, g, cascade=False)
+    assert calls == [(3, 3, 0, k_pre[0].data_ptr()), (3, 3, 0, k_pre[1].data_ptr())]
+
+
 def _median(runner, point, cascade, repeats=5):
     runner.decode_step_s(point, cascade)  # warm-up
     return sorted(runner.decode_step_s(point, cascade) for _ in range(repeats))[repeats // 2]
@@ -86,6 +116,67 @@ def test_tiny_profile_run_is_a_valid_measured_profile():
     assert profile["settings"]["threads"] == (threads_before if vllm_disabled_threads else 1)
     expected_clock = "thread_time" if profile["settings"]["threads"] == 1 else "perf_counter"
     assert profile["settings"]["clock"] == expected_clock and torch.get_num_threads() == threads_before
+
+
+def test_measurement_order_puts_the_homogeneity_points_then_the_prefills_first():
+    rest = [DecodePoint(2, 2, 0, 16), DecodePoint(4, 2, 64, 16), DecodePoint(8, 8, 0, 64)]
+    decode, prefill = [rest[0], HOMOGENEITY_POINTS[1], *rest[1:]], [(8, 0), (8, 64)]
+    order = measurement_order(decode, prefill, seed=3)
+    assert order[:3] == [HOMOGENEITY_POINTS[1], *prefill] and sorted(order[3:], key=repr) == sorted(rest, key=repr)
+    assert order == measurement_order(decode, prefill, seed=3)
+
+
+def test_a_run_past_its_budget_keeps_what_it_measured_in_grid_order():
+    """A budget spent before the second point: the first point of the order (here the first
+    prefill, the grid having no homogeneity point) is measured, the rest counted as skipped."""
+    decode, prefill = [DecodePoint(2, 1, 64, 16), DecodePoint(2, 2, 0, 16)], [(8, 0), (8, 64)]
+    profile = run_torch_profile("smollm2-135m", "cpu", profiled_layers=1, repeats=1, name="budget",
+                                decode_points=decode, prefill_points=prefill, budget_s=1e-9)
+    validate_profile(profile, "budget")
+    assert [(r["phase"], r.get("new_tokens"), r.get("cached_tokens")) for r in profile["measurements"]] == \
+        [("prefill", 8, 0)]
+    assert profile["settings"]["budget_s"] == 1e-9 and profile["settings"]["skipped_points"] == 3
+    with pytest.raises(ValueError, match="budget_s"):
+        run_torch_profile("smollm2-135m", "cpu", profiled_layers=1, decode_points=decode, budget_s=0)
+
+
+#: What a GPU machine has where nothing of this project is installed: torch, what it imports, numpy.
+BARE_PACKAGES = ("torch", "torchgen", "functorch", "numpy", "typing_extensions", "sympy", "mpmath", "networkx",
+                 "jinja2", "markupsafe", "filelock", "fsspec")
+
+
+def _bare_python(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
+    """``python -S ARGS`` from the repository root, seeing only :data:`BARE_PACKAGES` and the working tree."""
+    site = tmp_path / "site"
+    site.mkdir(exist_ok=True)
+    for name in BARE_PACKAGES:
+        spec = importlib.util.find_spec(name)
+        source = spec and (Path(spec.origin).parent if spec.submodule_search_locations else Path(spec.origin))
+        if source and not (site / source.name).exists():
+            (site / source.name).symlink_to(source)
+    env = {"PATH": os.environ["PATH"], "PYTHONPATH": str(site), "PYTHONNOUSERSITE": "1"}
+    return subprocess.run([sys.executable, "-S", *args], cwd=Path(__file__).parents[1], env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_the_profile_commands_run_with_only_torch_and_numpy(tmp_path):
+    """``python -m feather_cli.profile`` (what scripts/gpu_profile.sh runs on a lent GPU) imports
+    nothing the project installs: ``run`` within a budget, and ``fit --against``, in an interpreter
+    whose only packages are torch's and numpy."""
+    assert _bare_python(tmp_path, "-c", "import xxhash").returncode != 0   # the project's packages are absent
+    out = tmp_path / "p.json"
+    run = _bare_python(tmp_path, "-m", "feather_cli.profile", "run", "--backend", "torch", "--device", "cpu",
+                       "--model", "smollm2-135m", "--layers", "1", "--repeats", "1", "--budget-s", "0.001",
+                       "-o", str(out))
+    assert run.returncode == 0, run.stderr
+    profile = validate_profile(json.loads(out.read_text()), "bare")
+    first = min(HOMOGENEITY_POINTS, key=lambda p: (p.batch_size, p.num_groups))   # the grid's order
+    assert [(r["batch_size"], r["num_groups"], r["attention"]) for r in profile["measurements"]] == \
+        [(first.batch_size, first.num_groups, "per_request"), (first.batch_size, first.num_groups, "cascade")]
+    assert "grid points left out by --budget-s" in run.stdout
+    fit = _bare_python(tmp_path, "-m", "feather_cli.profile", "fit", "cpu", "--against", "vllm-cpu", "--json")
+    assert fit.returncode == 0, fit.stderr
+    assert json.loads(fit.stdout.splitlines()[-1])["variants"]["per_request"]["against"]["profile"] == "vllm-cpu"
 
 
 @pytest.mark.parametrize("cached", [0, 9])

@@ -10,7 +10,8 @@ Two attention variants, both merging the shared-prefix part with the request's o
 by log-sum-exp:
 
 * ``per_request``: each request attends to its group's prefix on its own (a paged-attention
-  kernel): the prefix is read once per request;
+  kernel): the prefix is read once per request. One call per group runs the group's requests
+  as a batch over the prefix's K/V broadcast to them (a stride-0 view, not a copy);
 * ``cascade``: each group's prefix is attended once for all its requests' queries stacked
   (FlashInfer / vLLM cascade attention): the prefix is read once per group.
 
@@ -19,14 +20,24 @@ Suffix attention is batched over requests (all have the same suffix length in a 
 Layer scaling: on CPU only ``profiled_layers`` of the model's layers are run (default 4) and
 the layers' time is multiplied by ``layers / profiled_layers``; the LM head is timed apart
 and not scaled. Layers are identical in work, so this is exact up to cache effects between
-layers. CUDA runs all layers and synchronises around each timed region; every grid point is
-warmed up before timing; the two variants' repetitions are interleaved so machine load hits
-both alike.
+layers. CUDA runs all layers; every grid point is warmed up before timing; the two variants'
+repetitions are interleaved so machine load hits both alike.
 
-Clock: wall time (``perf_counter``) on CUDA and multi-threaded CPU runs. A single-threaded CPU
-run (the default) uses the thread's CPU time (``thread_time``): torch then runs every op in
-the calling thread, so the step's CPU time is its wall time on an idle machine, and other
-processes' time slices on a shared machine do not count (on this 2-core box shared by
+On CUDA a grid point's layers and its LM head are captured once as two CUDA graphs and every
+timed step replays them between CUDA events, so kernel-launch overhead, which vLLM's CUDA-graph
+decode does not pay, is not timed; where capture fails the run goes on eagerly, synchronising
+around each timed region, and its settings say so. Weights and KV are drawn on the device.
+
+Budget: with ``budget_s`` no grid point after the first starts once that many seconds have
+passed. Points are measured in priority order (the homogeneity points, then the prefills, then
+the other decode points in a seeded random order), so a run cut short keeps the homogeneity
+comparison and a uniform sample of the rest; rows are written in grid order either way.
+
+Clock: CUDA events around graph replays on CUDA (wall time, ``perf_counter``, when eager), and
+wall time on multi-threaded CPU runs. A single-threaded CPU run (the default) uses the thread's
+CPU time (``thread_time``): torch then runs every op in the calling thread, so the step's CPU
+time is its wall time on an idle machine, and other processes' time slices on a shared machine
+do not count (on this 2-core box shared by
 several jobs, wall-time repeats of one point spread by ~40%, CPU-time repeats by ~5%).
 Cache and memory-bandwidth interference from other processes still shows.
 """
@@ -96,6 +107,8 @@ class TorchStepRunner:
 
     KV pools are flat per-layer buffers of :data:`MAX_POOL_TOKENS` tokens; a grid point views
     the first ``G x prefix`` (resp. ``B x suffix``) tokens, contiguous, without copying.
+    ``cuda_graphs`` (CUDA only) says whether steps are timed as graph replays; it turns False,
+    with the reason in ``graph_error``, when a capture fails.
     """
 
     def __init__(self, shape: ModelShape, device: str, profiled_layers: int, seed: int = 0) -> None:
@@ -106,11 +119,11 @@ class TorchStepRunner:
         self.device = torch.device(device)
         self.dtype = getattr(torch, shape.dtype)
         self.profiled_layers = profiled_layers
-        generator = torch.Generator().manual_seed(seed)
+        generator = torch.Generator(device=self.device).manual_seed(seed)
         s = shape
 
         def rand(*size, scale=1.0):
-            return (torch.randn(*size, generator=generator) * scale).to(self.device, self.dtype)
+            return torch.randn(*size, generator=generator, device=self.device, dtype=self.dtype).mul_(scale)
 
         w = 1.0 / math.sqrt(s.hidden)
         self.layers = [dict(
@@ -129,6 +142,13 @@ class TorchStepRunner:
         self.scale = 1.0 / math.sqrt(s.head_dim)
         self.clock = time.thread_time if self.device.type == "cpu" and torch.get_num_threads() == 1 \
             else time.perf_counter
+        self.cuda_graphs = self.device.type == "cuda"
+        self.graph_error: str | None = None
+
+    @property
+    def timing(self) -> str:
+        """How steps are timed: ``cuda_graph_events``, or the clock's name (``thread_time``, ``perf_counter``)."""
+        return "cuda_graph_events" if self.cuda_graphs else self.clock.__name__
 
     def synchronize(self) -> None:
         if self.device.type == "cuda":
@@ -155,23 +175,25 @@ class TorchStepRunner:
         return (o1 * w1 + o2 * w2) / (w1 + w2)
 
     def _prefix_attention(self, q, k_prefix, v_prefix, groups: int, cascade: bool):
-        """``q [B, kv_heads, q_per_kv, d]`` over group ``i % groups``'s prefix ``[G, kv_heads, P, d]``."""
+        """``q [B, kv_heads, q_per_kv, d]`` over group ``i % groups``'s prefix ``[G, kv_heads, P, d]``,
+        one call per group: its requests' queries stacked as one (``cascade``), or its requests
+        as a batch reading the prefix each (``per_request``)."""
         torch = self.torch
         b, kvh, per_kv, d = q.shape
-        if not cascade:
-            parts = [self._attend(q[i:i + 1], k_prefix[i % groups: i % groups + 1],
-                                  v_prefix[i % groups: i % groups + 1])
-                     for i in range(b)]
-            return torch.cat([o for o, _ in parts]), torch.cat([lse for _, lse in parts])
         out = torch.empty_like(q)
         lse = torch.empty(b, kvh, per_kv, 1, device=q.device, dtype=q.dtype)
         for g in range(groups):
             members = q[g::groups]
             n = members.shape[0]
-            stacked = members.permute(1, 0, 2, 3).reshape(1, kvh, n * per_kv, d)
-            o, l = self._attend(stacked, k_prefix[g: g + 1], v_prefix[g: g + 1])
-            out[g::groups] = o.reshape(kvh, n, per_kv, d).permute(1, 0, 2, 3)
-            lse[g::groups] = l.reshape(kvh, n, per_kv, 1).permute(1, 0, 2, 3)
+            k, v = k_prefix[g: g + 1], v_prefix[g: g + 1]
+            if cascade:
+                stacked = members.permute(1, 0, 2, 3).reshape(1, kvh, n * per_kv, d)
+                o, l = self._attend(stacked, k, v)
+                o = o.reshape(kvh, n, per_kv, d).permute(1, 0, 2, 3)
+                l = l.reshape(kvh, n, per_kv, 1).permute(1, 0, 2, 3)
+            else:
+                o, l = self._attend(members.contiguous(), k.expand(n, -1, -1, -1), v.expand(n, -1, -1, -1))
+            out[g::groups], lse[g::groups] = o, l
         return out, lse
 
     def _layer(self, x, weights, attention: Callable):
@@ -183,22 +205,78 @@ class TorchStepRunner:
         gate, up = (self._rmsnorm(x, weights["norm2"]) @ weights["wgu"]).chunk(2, dim=-1)
         return x + (self.torch.nn.functional.silu(gate) * up) @ weights["wdown"]
 
-    def _timed_forward(self, x, attention: Callable, sampled_rows: int) -> float:
-        """Seconds of all layers (scaled to the full model) plus the LM head and greedy sampling
-        of the last ``sampled_rows`` rows (every request in decode, the last token in prefill)."""
-        self.synchronize()
-        start = self.clock()
-        for weights in self.layers:
-            x = self._layer(x, weights, attention)
-        self.synchronize()
-        middle = self.clock()
-        (self._rmsnorm(x[-sampled_rows:], self.final_norm) @ self.head).argmax(-1)
-        self.synchronize()
-        end = self.clock()
-        return (middle - start) * self.shape.layers / self.profiled_layers + (end - middle)
+    def _timer(self, x, attention: Callable, sampled_rows: int) -> Callable[[], float]:
+        """A callable that times one forward of ``x`` and returns its seconds: all layers (scaled to
+        the full model) plus the LM head and greedy sampling of the last ``sampled_rows`` rows
+        (every request in decode, the last token in prefill). On CUDA it replays the forward
+        captured as graphs (module docstring); otherwise it runs the forward eagerly."""
+        def layers():
+            y = x
+            for weights in self.layers:
+                y = self._layer(y, weights, attention)
+            return y
+
+        def head(y):
+            return (self._rmsnorm(y[-sampled_rows:], self.final_norm) @ self.head).argmax(-1)
+
+        scale = self.shape.layers / self.profiled_layers
+        if self.cuda_graphs:
+            replay = self._graph_timer(layers, head, scale)
+            if replay is not None:
+                return replay
+
+        def eager() -> float:
+            with self.torch.inference_mode():
+                self.synchronize()
+                start = self.clock()
+                y = layers()
+                self.synchronize()
+                middle = self.clock()
+                head(y)
+                self.synchronize()
+                end = self.clock()
+            return (middle - start) * scale + (end - middle)
+
+        return eager
+
+    def _graph_timer(self, layers: Callable, head: Callable, scale: float) -> Callable[[], float] | None:
+        """Replays of ``layers`` and ``head`` captured as two CUDA graphs, timed by CUDA events;
+        None (and graphs off for the rest of the run) when capture fails."""
+        torch = self.torch
+        try:
+            with torch.inference_mode():
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):   # lazy initialisation (cuBLAS, kernels) outside capture
+                    head(layers())
+                torch.cuda.current_stream().wait_stream(side)
+                body, tail = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+                with torch.cuda.graph(body):
+                    out = layers()
+                with torch.cuda.graph(tail, pool=body.pool()):
+                    head(out)
+        except RuntimeError as exc:
+            self.cuda_graphs, self.graph_error = False, f"{type(exc).__name__}: {exc}"
+            return None
+        start, middle, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+
+        def replay() -> float:
+            start.record()
+            body.replay()
+            middle.record()
+            tail.replay()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(middle) / 1e3 * scale + middle.elapsed_time(end) / 1e3
+
+        return replay
 
     def decode_step_s(self, point: DecodePoint, cascade: bool) -> float:
         """Time one decode step of the batch ``point`` describes."""
+        return self.decode_timer(point, cascade)()
+
+    def decode_timer(self, point: DecodePoint, cascade: bool) -> Callable[[], float]:
+        """A callable timing decode steps of the batch ``point`` describes (:meth:`_timer`)."""
         s, b, g = self.shape, point.batch_size, point.num_groups
         kvh, d, per_kv = s.kv_heads, s.head_dim, s.heads // s.kv_heads
         prefix, suffix = point.shared_prefix_tokens, point.unique_tokens_per_request
@@ -215,8 +293,7 @@ class TorchStepRunner:
             return self._merge(shared, own)
 
         x = self.torch.randn(b, s.hidden, device=self.device, dtype=self.dtype)
-        with self.torch.inference_mode():
-            return self._timed_forward(x, attention, sampled_rows=b)
+        return self._timer(x, attention, sampled_rows=b)
 
     def _prefill_attention(self, q, k_new, v_new, k_cached=None, v_cached=None):
         """Attention of ``n`` new tokens: causal over their own K/V, plus (if given) the cached
@@ -236,6 +313,10 @@ class TorchStepRunner:
 
     def prefill_step_s(self, new_tokens: int, cached_tokens: int) -> float:
         """Time a prefill of ``new_tokens`` (causal among themselves) after ``cached_tokens`` cached."""
+        return self.prefill_timer(new_tokens, cached_tokens)()
+
+    def prefill_timer(self, new_tokens: int, cached_tokens: int) -> Callable[[], float]:
+        """A callable timing prefill steps as :meth:`prefill_step_s` describes (:meth:`_timer`)."""
         torch, s = self.torch, self.shape
         kvh, d, n = s.kv_heads, s.head_dim, new_tokens
 
@@ -247,8 +328,7 @@ class TorchStepRunner:
             return self._prefill_attention(q.reshape(n, s.heads, d), k_new, v_new, *cached)
 
         x = torch.randn(n, s.hidden, device=self.device, dtype=self.dtype)
-        with torch.inference_mode():
-            return self._timed_forward(x, attention, sampled_rows=1)
+        return self._timer(x, attention, sampled_rows=1)
 
 
 def _stats(samples: list[float]) -> dict:
@@ -260,39 +340,66 @@ def _stats(samples: list[float]) -> dict:
     return dict(zip(STAT_FIELDS, (median, mean, std, ordered[0], ordered[-1]))) | {"repeats": len(ordered)}
 
 
-def _measure(runner: TorchStepRunner, decode_points: list[DecodePoint], prefill_points: list[tuple[int, int]],
-             repeats: int, warmup: int, progress: Callable[[str], None] | None) -> list[dict]:
-    """Measurement rows (profile_io schema) of every point, both attention variants for decode."""
-    measurements = []
-    for index, point in enumerate(decode_points):
-        samples = {False: [], True: []}
-        for cascade in (False, True):
-            for _ in range(warmup):
-                runner.decode_step_s(point, cascade)
-        for _ in range(repeats):
-            for cascade in (False, True):
-                samples[cascade].append(runner.decode_step_s(point, cascade))
-        batch = point.batch()
-        for cascade in (False, True):
-            measurements.append({"phase": "decode", "attention": "cascade" if cascade else "per_request",
-                                 "batch_size": point.batch_size, "num_groups": batch.num_groups,
-                                 "shared_prefix_tokens": point.shared_prefix_tokens,
-                                 "unique_tokens_per_request": point.unique_tokens_per_request,
-                                 "total_kv_tokens": batch.total_kv_tokens, "unique_kv_tokens": batch.unique_kv_tokens,
-                                 **_stats(samples[cascade])})
-        if progress:
-            progress(f"decode {index + 1}/{len(decode_points)} {point}: per_request "
-                     f"{measurements[-2]['median_s'] * 1e3:.1f} ms, "
-                     f"cascade {measurements[-1]['median_s'] * 1e3:.1f} ms")
-    for new, cached in prefill_points:
+def measurement_order(decode_points: list[DecodePoint], prefill_points: list[tuple[int, int]],
+                      seed: int = 0) -> list[DecodePoint | tuple[int, int]]:
+    """The order a budgeted run measures its points in: the :data:`HOMOGENEITY_POINTS` of the
+    grid, then the prefill points, then the other decode points in a seeded random order."""
+    first = [p for p in decode_points if p in HOMOGENEITY_POINTS]
+    rest = [p for p in decode_points if p not in HOMOGENEITY_POINTS]
+    random.Random(seed).shuffle(rest)
+    return first + list(prefill_points) + rest
+
+
+def _decode_rows(runner: TorchStepRunner, point: DecodePoint, repeats: int, warmup: int) -> list[dict]:
+    """The per-request and the cascade row of ``point``, their repetitions interleaved."""
+    timers = {cascade: runner.decode_timer(point, cascade) for cascade in (False, True)}
+    samples = {False: [], True: []}
+    for cascade, timer in timers.items():
         for _ in range(warmup):
-            runner.prefill_step_s(new, cached)
-        row = {"phase": "prefill", "new_tokens": new, "cached_tokens": cached,
-               **_stats([runner.prefill_step_s(new, cached) for _ in range(repeats)])}
-        measurements.append(row)
+            timer()
+    for _ in range(repeats):
+        for cascade, timer in timers.items():
+            samples[cascade].append(timer())
+    batch = point.batch()
+    return [{"phase": "decode", "attention": "cascade" if cascade else "per_request",
+             "batch_size": point.batch_size, "num_groups": batch.num_groups,
+             "shared_prefix_tokens": point.shared_prefix_tokens,
+             "unique_tokens_per_request": point.unique_tokens_per_request,
+             "total_kv_tokens": batch.total_kv_tokens, "unique_kv_tokens": batch.unique_kv_tokens,
+             **_stats(samples[cascade])} for cascade in (False, True)]
+
+
+def _prefill_row(runner: TorchStepRunner, new: int, cached: int, repeats: int, warmup: int) -> dict:
+    timer = runner.prefill_timer(new, cached)
+    for _ in range(warmup):
+        timer()
+    return {"phase": "prefill", "new_tokens": new, "cached_tokens": cached, **_stats([timer() for _ in range(repeats)])}
+
+
+def _measure(runner: TorchStepRunner, decode_points: list[DecodePoint], prefill_points: list[tuple[int, int]],
+             repeats: int, warmup: int, progress: Callable[[str], None] | None,
+             budget_s: float | None = None, seed: int = 0) -> tuple[list[dict], int]:
+    """Measurement rows (profile_io schema) of the points started within ``budget_s`` seconds
+    (the first always; all without a budget), both attention variants for decode, in grid order
+    (decode points, then prefill points), and how many points the budget left out. Measured in
+    :func:`measurement_order`."""
+    deadline = None if budget_s is None else time.monotonic() + budget_s
+    order = measurement_order(decode_points, prefill_points, seed)
+    rows: dict = {}
+    for index, point in enumerate(order):
+        if rows and deadline is not None and time.monotonic() >= deadline:
+            break
+        if isinstance(point, DecodePoint):
+            rows[point] = _decode_rows(runner, point, repeats, warmup)
+            line = (f"per_request {rows[point][0]['median_s'] * 1e3:.1f} ms, "
+                    f"cascade {rows[point][1]['median_s'] * 1e3:.1f} ms")
+        else:
+            rows[point] = [_prefill_row(runner, *point, repeats, warmup)]
+            line = f"prefill {rows[point][0]['median_s'] * 1e3:.1f} ms"
         if progress:
-            progress(f"prefill new={new} cached={cached}: {row['median_s'] * 1e3:.1f} ms")
-    return measurements
+            progress(f"{index + 1}/{len(order)} {point}: {line}")
+    measured = [row for point in [*decode_points, *prefill_points] if point in rows for row in rows[point]]
+    return measured, len(order) - len(rows)
 
 
 def hardware_info(device: str) -> dict:
@@ -321,18 +428,22 @@ def hardware_info(device: str) -> dict:
 def run_torch_profile(model: str, device: str = "cpu", *, quick: bool = False, profiled_layers: int | None = None,
                       repeats: int | None = None, warmup: int = 1, seed: int = 0, name: str | None = None,
                       progress: Callable[[str], None] | None = None, decode_points: list[DecodePoint] | None = None,
-                      prefill_points: list[tuple[int, int]] | None = None, threads: int | None = 1) -> dict:
+                      prefill_points: list[tuple[int, int]] | None = None, threads: int | None = 1,
+                      budget_s: float | None = None) -> dict:
     """Profile ``model`` (a preset name) on ``device``; returns a ``feather-profile/1`` dict.
 
     Weights and KV are float32 on CPU, bfloat16 on CUDA. ``decode_points``/``prefill_points``
     override the grids (tests use tiny ones). ``threads`` sets torch's intra-op threads
     (default 1: on a small shared machine more threads than free cores makes OpenMP spin and
-    timings erratic; ``None`` keeps torch's default).
+    timings erratic; ``None`` keeps torch's default). ``budget_s``: no point starts after that
+    many seconds of measuring (module docstring); ``settings.skipped_points`` counts those left out.
     """
     import torch
 
     if device == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: torch sees no CUDA device")
+    if budget_s is not None and not budget_s > 0:
+        raise ValueError(f"budget_s must be a positive number of seconds, got {budget_s!r}")
     shape = model_preset(model).with_dtype("bfloat16" if device == "cuda" else "float32")
     layers = profiled_layers
     if layers is None:
@@ -348,7 +459,8 @@ def run_torch_profile(model: str, device: str = "cpu", *, quick: bool = False, p
     threads = torch.get_num_threads()
     try:
         runner = TorchStepRunner(shape, device, layers, seed)
-        measurements = _measure(runner, decode_points, prefill_points, repeats, warmup, progress)
+        measurements, skipped = _measure(runner, decode_points, prefill_points, repeats, warmup, progress,
+                                         budget_s, seed)
     finally:
         torch.set_num_threads(previous_threads)
     hardware = hardware_info(device)
@@ -360,10 +472,13 @@ def run_torch_profile(model: str, device: str = "cpu", *, quick: bool = False, p
         "backend": "torch", "hardware": hardware,
         "software": {"python": platform.python_version(), "torch": torch.__version__},
         "model": shape.to_dict(),
-        "settings": {"clock": runner.clock.__name__, "profiled_layers": layers, "layer_scale": shape.layers / layers,
+        "settings": {"clock": runner.timing, "profiled_layers": layers, "layer_scale": shape.layers / layers,
                      "repeats": repeats, "warmup": warmup, "quick": quick, "threads": threads, "seed": seed,
+                     "budget_s": budget_s, "skipped_points": skipped,
+                     **({"cuda_graphs": runner.cuda_graphs, "graph_error": runner.graph_error}
+                        if device == "cuda" else {}),
                      "note": "layers' time scaled by layers/profiled_layers, LM head unscaled; "
-                             "requests of different groups interleaved"},
+                             "requests of different groups interleaved; one attention call per group"},
         "kv_cache_bytes": kv_cache_bytes,
         "measurements": measurements,
     }

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The cost model measured on a GPU: Llama-3-8B shapes in bf16 with random weights, timed by the
+# torch backend over its decode grid (batch size x context x prefix groups, prefix-homogeneous
+# against mixed batches, per-request and cascade attention) and its prefills; then the fit's
+# held-out error and homogeneity check, beside the GPU's analytic profile (`--against`).
+#
+#   OUT=dir BUDGET_S=300 bash scripts/gpu_profile.sh
+#
+# Run from the repository root. Needs python with torch (CUDA) and numpy, nothing installed from
+# this project and no network: it runs the package from the working tree. No grid point starts
+# after BUDGET_S seconds of measuring (default 300), so with start-up and the fit the whole run
+# stays within 8 minutes. Writes into OUT (default gpu-profile):
+#   <gpu>-measured.json  the measured profile (a `feather profile` file)
+#   profile.log          one line per grid point as it is measured
+#   fit.txt              `feather profile fit <gpu>-measured.json --against <gpu> --json`; its last
+#                        line is the report as one JSON object
+# DEVICE=cpu MODEL=smollm2-135m runs the same steps on the CPU (a dry run of the script).
+set -euo pipefail
+
+out=${OUT:-gpu-profile}
+budget=${BUDGET_S:-300}
+device=${DEVICE:-cuda}
+model=${MODEL:-llama3-8b}
+python=${PYTHON:-python}
+mkdir -p "$out"
+
+"$python" -c "import torch, numpy; print('torch', torch.__version__, 'numpy', numpy.__version__)"
+if [ "$device" = cuda ]; then
+    "$python" -c "import torch; assert torch.cuda.is_available(), 'torch sees no CUDA device'; print(torch.cuda.get_device_name(0))"
+fi
+# The shipped profile this machine would default to: h100, h200, a100, rtx6000-ada, else vllm-cpu.
+gpu=$("$python" -c "from feather_gym.costmodel.model import hardware_profile; print(hardware_profile())")
+echo "profiling $model on $device for the $gpu profile, budget ${budget} s"
+
+"$python" -m feather_cli.profile run --backend torch --device "$device" --model "$model" \
+    --budget-s "$budget" --name "$gpu-measured" -o "$out/$gpu-measured.json" 2> "$out/profile.log"
+"$python" -m feather_cli.profile fit "$out/$gpu-measured.json" --against "$gpu" --json | tee "$out/fit.txt"
