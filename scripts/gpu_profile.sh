@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The cost model measured on a GPU: Llama-3-8B shapes in bf16 with random weights, timed by the
-# torch backend over its decode grid (batch size x context x prefix groups, prefix-homogeneous
-# against mixed batches, per-request and cascade attention) and its prefills; then the fit's
-# held-out error and homogeneity check, beside the GPU's analytic profile (`--against`).
+# torch backend over its decode grid (batch sizes 1-256 x context x prefix groups,
+# prefix-homogeneous against mixed batches, per-request and cascade attention) and its prefills;
+# then the fit's held-out error and homogeneity check, beside the GPU's analytic profile
+# (`--against`).
 #
 #   OUT=dir BUDGET_S=300 bash scripts/gpu_profile.sh
 #

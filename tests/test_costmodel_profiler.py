@@ -17,9 +17,13 @@ torch = pytest.importorskip("torch")
 from feather_gym.costmodel import model_preset  # noqa: E402
 from feather_gym.costmodel.profile_io import validate_profile  # noqa: E402
 from feather_gym.costmodel.profiler_torch import (  # noqa: E402
+    CUDA_HOMOGENEITY,
     HOMOGENEITY_POINTS,
+    MAX_POOL_TOKENS,
     DecodePoint,
     TorchStepRunner,
+    decode_grid,
+    homogeneity_points,
     measurement_order,
     run_torch_profile,
 )
@@ -116,6 +120,20 @@ def test_tiny_profile_run_is_a_valid_measured_profile():
     assert profile["settings"]["threads"] == (threads_before if vllm_disabled_threads else 1)
     expected_clock = "thread_time" if profile["settings"]["threads"] == 1 else "perf_counter"
     assert profile["settings"]["clock"] == expected_clock and torch.get_num_threads() == threads_before
+
+
+def test_a_cuda_grid_adds_serving_batches_and_holds_its_homogeneity_comparison():
+    """Batches to 256 on CUDA (64 on CPU), every KV pool within its buffer, and the three batches
+    of CUDA_HOMOGENEITY's comparison (mixed, one prefix, the split batches) in the full and quick grids."""
+    grid = decode_grid(False, device="cuda")
+    batch, groups, prefix, own = CUDA_HOMOGENEITY
+    compared = {DecodePoint(batch, groups, prefix, own), DecodePoint(batch, 1, prefix, own),
+                DecodePoint(batch // groups, 1, prefix, own)}
+    assert compared <= set(homogeneity_points("cuda")) <= set(decode_grid(True, device="cuda"))
+    assert compared <= set(grid)
+    assert max(p.batch_size for p in grid) == 256 and max(p.batch_size for p in decode_grid(False)) == 64
+    assert all(p.batch_size * p.unique_tokens_per_request <= MAX_POOL_TOKENS
+               and p.num_groups * p.shared_prefix_tokens <= MAX_POOL_TOKENS for p in grid)
 
 
 def test_measurement_order_puts_the_homogeneity_points_then_the_prefills_first():

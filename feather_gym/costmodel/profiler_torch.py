@@ -77,21 +77,39 @@ class DecodePoint:
 
 #: Points always profiled: homogeneous vs mixed at equal batch size and KV, and the split batches.
 HOMOGENEITY_POINTS = (DecodePoint(32, 1, 8192, 256), DecodePoint(32, 8, 8192, 256), DecodePoint(4, 1, 8192, 256))
+#: Batch sizes of the decode grid; a CUDA grid adds batches of the size a GPU serves.
+BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
+CUDA_BATCH_SIZES = BATCH_SIZES + (128, 256)
+#: (batch size, groups, prefix tokens, own tokens) of a CUDA profile's homogeneity comparison
+#: (its ``settings.homogeneity_point``): 256 requests over 8 prefixes against one prefix, and
+#: against 8 batches of 32 (:data:`HOMOGENEITY_POINTS`' first).
+CUDA_HOMOGENEITY = (256, 8, 8192, 256)
 
 
-def decode_grid(quick: bool, seed: int = 0) -> list[DecodePoint]:
-    """Grid of batch compositions. Sharing points: G in {1,2,4,8} (G < B, G | B), prefix in
-    {512, 2048, 8192}, suffix in {16, 256, 1024}; no-sharing points: G = B, prefix 0, suffix
-    up to 2048. ``quick`` samples 40 of them plus :data:`HOMOGENEITY_POINTS`."""
+def homogeneity_points(device: str) -> tuple[DecodePoint, ...]:
+    """The points a grid on ``device`` always holds and measures first: :data:`HOMOGENEITY_POINTS`,
+    on CUDA with the mixed and the one-prefix batch of :data:`CUDA_HOMOGENEITY`."""
+    if device != "cuda":
+        return HOMOGENEITY_POINTS
+    batch, groups, prefix, own = CUDA_HOMOGENEITY
+    return HOMOGENEITY_POINTS + (DecodePoint(batch, groups, prefix, own), DecodePoint(batch, 1, prefix, own))
+
+
+def decode_grid(quick: bool, seed: int = 0, device: str = "cpu") -> list[DecodePoint]:
+    """Grid of batch compositions over :data:`BATCH_SIZES` (:data:`CUDA_BATCH_SIZES` on CUDA).
+    Sharing points: G in {1,2,4,8} (G < B, G | B), prefix in {512, 2048, 8192}, suffix in
+    {16, 256, 1024}; no-sharing points: G = B, prefix 0, suffix up to 2048; every KV pool within
+    :data:`MAX_POOL_TOKENS`. ``quick`` samples 48 of them plus :func:`homogeneity_points`."""
     points = []
-    for b in (1, 2, 4, 8, 16, 32, 64):
+    for b in CUDA_BATCH_SIZES if device == "cuda" else BATCH_SIZES:
         points += [DecodePoint(b, b, 0, s) for s in (16, 256, 1024, 2048) if b * s <= MAX_POOL_TOKENS]
         points += [DecodePoint(b, g, p, s) for g in (1, 2, 4, 8) if g < b and b % g == 0
                    for p in (512, 2048, 8192) if g * p <= MAX_POOL_TOKENS
                    for s in (16, 256, 1024) if b * s <= MAX_POOL_TOKENS]
     if quick:
-        rest = [p for p in points if p not in HOMOGENEITY_POINTS]
-        points = list(HOMOGENEITY_POINTS) + random.Random(seed).sample(rest, 48)
+        first = homogeneity_points(device)
+        rest = [p for p in points if p not in first]
+        points = list(first) + random.Random(seed).sample(rest, 48)
     return sorted(set(points), key=lambda p: (p.batch_size, p.num_groups, p.shared_prefix_tokens,
                                               p.unique_tokens_per_request))
 
@@ -341,13 +359,14 @@ def _stats(samples: list[float]) -> dict:
 
 
 def measurement_order(decode_points: list[DecodePoint], prefill_points: list[tuple[int, int]],
-                      seed: int = 0) -> list[DecodePoint | tuple[int, int]]:
-    """The order a budgeted run measures its points in: the :data:`HOMOGENEITY_POINTS` of the
-    grid, then the prefill points, then the other decode points in a seeded random order."""
-    first = [p for p in decode_points if p in HOMOGENEITY_POINTS]
-    rest = [p for p in decode_points if p not in HOMOGENEITY_POINTS]
+                      seed: int = 0, first: tuple[DecodePoint, ...] = HOMOGENEITY_POINTS,
+                      ) -> list[DecodePoint | tuple[int, int]]:
+    """The order a budgeted run measures its points in: the decode points that are in ``first``
+    (the device's :func:`homogeneity_points`), then the prefill points, then the other decode
+    points in a seeded random order."""
+    rest = [p for p in decode_points if p not in first]
     random.Random(seed).shuffle(rest)
-    return first + list(prefill_points) + rest
+    return [p for p in decode_points if p in first] + list(prefill_points) + rest
 
 
 def _decode_rows(runner: TorchStepRunner, point: DecodePoint, repeats: int, warmup: int) -> list[dict]:
@@ -378,13 +397,14 @@ def _prefill_row(runner: TorchStepRunner, new: int, cached: int, repeats: int, w
 
 def _measure(runner: TorchStepRunner, decode_points: list[DecodePoint], prefill_points: list[tuple[int, int]],
              repeats: int, warmup: int, progress: Callable[[str], None] | None,
-             budget_s: float | None = None, seed: int = 0) -> tuple[list[dict], int]:
+             budget_s: float | None = None, seed: int = 0,
+             first: tuple[DecodePoint, ...] = HOMOGENEITY_POINTS) -> tuple[list[dict], int]:
     """Measurement rows (profile_io schema) of the points started within ``budget_s`` seconds
     (the first always; all without a budget), both attention variants for decode, in grid order
     (decode points, then prefill points), and how many points the budget left out. Measured in
     :func:`measurement_order`."""
     deadline = None if budget_s is None else time.monotonic() + budget_s
-    order = measurement_order(decode_points, prefill_points, seed)
+    order = measurement_order(decode_points, prefill_points, seed, first)
     rows: dict = {}
     for index, point in enumerate(order):
         if rows and deadline is not None and time.monotonic() >= deadline:
@@ -450,7 +470,7 @@ def run_torch_profile(model: str, device: str = "cpu", *, quick: bool = False, p
         layers = shape.layers if device == "cuda" else min(CPU_PROFILED_LAYERS, shape.layers)
     if repeats is None:
         repeats = 5 if quick else 7
-    decode_points = decode_grid(quick, seed) if decode_points is None else decode_points
+    decode_points = decode_grid(quick, seed, device) if decode_points is None else decode_points
     prefill_points = prefill_grid(quick) if prefill_points is None else prefill_points
     previous_threads = torch.get_num_threads()
     # An in-process vLLM CPU engine replaces torch.set_num_threads with a no-op, so record the
@@ -460,7 +480,7 @@ def run_torch_profile(model: str, device: str = "cpu", *, quick: bool = False, p
     try:
         runner = TorchStepRunner(shape, device, layers, seed)
         measurements, skipped = _measure(runner, decode_points, prefill_points, repeats, warmup, progress,
-                                         budget_s, seed)
+                                         budget_s, seed, homogeneity_points(device))
     finally:
         torch.set_num_threads(previous_threads)
     hardware = hardware_info(device)
@@ -475,8 +495,8 @@ def run_torch_profile(model: str, device: str = "cpu", *, quick: bool = False, p
         "settings": {"clock": runner.timing, "profiled_layers": layers, "layer_scale": shape.layers / layers,
                      "repeats": repeats, "warmup": warmup, "quick": quick, "threads": threads, "seed": seed,
                      "budget_s": budget_s, "skipped_points": skipped,
-                     **({"cuda_graphs": runner.cuda_graphs, "graph_error": runner.graph_error}
-                        if device == "cuda" else {}),
+                     **({"cuda_graphs": runner.cuda_graphs, "graph_error": runner.graph_error,
+                         "homogeneity_point": list(CUDA_HOMOGENEITY)} if device == "cuda" else {}),
                      "note": "layers' time scaled by layers/profiled_layers, LM head unscaled; "
                              "requests of different groups interleaved; one attention call per group"},
         "kv_cache_bytes": kv_cache_bytes,
