@@ -15,6 +15,7 @@
 #   profile.log          one line per grid point as it is measured
 #   fit.txt              `feather profile fit <gpu>-measured.json --against <gpu> --json`; its last
 #                        line is the report as one JSON object
+# PYTHON names the interpreter (default python3, the one that holds torch on the lent machines).
 # DEVICE=cpu MODEL=smollm2-135m runs the same steps on the CPU (a dry run of the script).
 set -euo pipefail
 
@@ -22,7 +23,7 @@ out=${OUT:-gpu-profile}
 budget=${BUDGET_S:-300}
 device=${DEVICE:-cuda}
 model=${MODEL:-llama3-8b}
-python=${PYTHON:-python}
+python=${PYTHON:-python3}
 mkdir -p "$out"
 
 "$python" -c "import torch, numpy; print('torch', torch.__version__, 'numpy', numpy.__version__)"
