@@ -122,6 +122,17 @@ def test_tiny_profile_run_is_a_valid_measured_profile():
     assert profile["settings"]["clock"] == expected_clock and torch.get_num_threads() == threads_before
 
 
+def test_a_failed_graph_capture_falls_back_to_eager_timing_and_says_why(runner, monkeypatch):
+    """The CUDA path's safety net, run where no capture can work (no CUDA here): the step is
+    timed eagerly, and the runner records why and captures no more."""
+    monkeypatch.setattr(runner, "cuda_graphs", True)
+    monkeypatch.setattr(runner, "graph_error", None)
+    assert runner.timing == "cuda_graph_events"
+    assert runner.decode_step_s(DecodePoint(2, 1, 64, 16), cascade=True) > 0
+    assert runner.cuda_graphs is False and runner.graph_error.startswith("RuntimeError: ")
+    assert runner.timing == runner.clock.__name__
+
+
 def test_a_cuda_grid_adds_serving_batches_and_holds_its_homogeneity_comparison():
     """Batches to 256 on CUDA (64 on CPU), every KV pool within its buffer, and the three batches
     of CUDA_HOMOGENEITY's comparison (mixed, one prefix, the split batches) in the full and quick grids."""
