@@ -12,6 +12,9 @@ case ",$EXTRAS," in *,cpu,*) case ",$EXTRAS," in *,cuda,*)
   echo "setup: the cpu and cuda extras must never share an environment" >&2; exit 2;; esac;; esac
 case ",$EXTRAS," in *,cuda,*) STACK=cuda;; *) STACK=cpu;; esac
 
+# One set-up at a time per checkout: a second one (`make test` started beside `make train`, say) waits
+# for the first and then finds its stamp, instead of installing into the same .venv at once.
+if command -v flock > /dev/null; then exec 9> .setup.lock && flock 9; fi
 # Checking pip, not python: a venv whose creation was interrupted has python but no pip, and venv completes it.
 [ -x .venv/bin/pip ] || "$PYTHON" -m venv .venv
 # The stamp covers what the install builds from: the metadata, this script, the constraints, the compiled sources.
