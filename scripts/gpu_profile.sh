@@ -11,12 +11,15 @@
 # this project and no network: it runs the package from the working tree. No grid point starts
 # after BUDGET_S seconds of measuring (default 300), so with start-up and the fit the whole run
 # stays within 8 minutes. Writes into OUT (default gpu-profile):
-#   <gpu>-measured.json  the measured profile (a `feather profile` file)
+#   <name>-measured.json the measured profile (a `feather profile` file; name: the GPU's profile
+#                        name, h100, h200, a100 or rtx6000-ada, else the device)
 #   profile.log          one line per grid point as it is measured
-#   fit.txt              `feather profile fit <gpu>-measured.json --against <gpu> --json`; its last
-#                        line is the report as one JSON object
-# PYTHON names the interpreter (default python3, the one that holds torch on the lent machines).
-# DEVICE=cpu MODEL=smollm2-135m runs the same steps on the CPU (a dry run of the script).
+#   fit.txt              `feather profile fit <name>-measured.json --against <profile> --json`; its
+#                        last line is the report as one JSON object
+# AGAINST names the profile to set beside the measured one (default: the GPU's analytic profile; on
+# a GPU none names, nothing). PYTHON names the interpreter (default python3, the one that holds
+# torch on the lent machines). DEVICE=cpu MODEL=smollm2-135m AGAINST=vllm-cpu runs the same steps
+# on the CPU (a dry run of the script).
 set -euo pipefail
 
 out=${OUT:-gpu-profile}
@@ -31,9 +34,15 @@ if [ "$device" = cuda ]; then
     "$python" -c "import torch; assert torch.cuda.is_available(), 'torch sees no CUDA device'; print(torch.cuda.get_device_name(0))"
 fi
 # The shipped profile this machine would default to: h100, h200, a100, rtx6000-ada, else vllm-cpu.
-gpu=$("$python" -c "from feather_gym.costmodel.model import hardware_profile; print(hardware_profile())")
-echo "profiling $model on $device for the $gpu profile, budget ${budget} s"
+default=$("$python" -c "from feather_gym.costmodel.model import hardware_profile; print(hardware_profile())")
+if [ "$device" = cuda ] && [ "$default" != vllm-cpu ]; then
+    name=$default against=${AGAINST-$default}
+else
+    name=$device against=${AGAINST-}
+fi
+echo "profiling $model on $device as $name-measured, budget ${budget} s, beside: ${against:-nothing}"
 
 "$python" -m feather_cli.profile run --backend torch --device "$device" --model "$model" \
-    --budget-s "$budget" --name "$gpu-measured" -o "$out/$gpu-measured.json" 2> "$out/profile.log"
-"$python" -m feather_cli.profile fit "$out/$gpu-measured.json" --against "$gpu" --json | tee "$out/fit.txt"
+    --budget-s "$budget" --name "$name-measured" -o "$out/$name-measured.json" 2> "$out/profile.log"
+"$python" -m feather_cli.profile fit "$out/$name-measured.json" ${against:+--against "$against"} --json \
+    | tee "$out/fit.txt"
