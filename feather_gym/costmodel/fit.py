@@ -125,6 +125,27 @@ def predict_rows(rows: list[dict], coefficients: dict[str, float], shape: ModelS
     return np.array([row_features(row, shape, cache_bytes, cascade) for row in rows]) @ vector
 
 
+def phase_masks(rows: list[dict]) -> dict[str, np.ndarray]:
+    """Row masks by report-key prefix: ``""`` for every row, ``"<phase>_"`` for each phase present."""
+    masks = {"": np.ones(len(rows), dtype=bool)}
+    for phase in PHASES:
+        mask = np.array([row["phase"] == phase for row in rows], dtype=bool)
+        if mask.any():
+            masks[f"{phase}_"] = mask
+    return masks
+
+
+def relative_errors(rows: list[dict], measured: np.ndarray, predicted: np.ndarray) -> dict:
+    """``rows``, ``mape`` and ``max_ape`` (fractions) of ``predicted`` against ``measured`` seconds,
+    overall and per phase (keys prefixed as :func:`phase_masks`)."""
+    errors = np.abs(predicted - measured) / measured
+    report = {}
+    for prefix, mask in phase_masks(rows).items():
+        report.update({f"{prefix}rows": int(mask.sum()), f"{prefix}mape": float(errors[mask].mean()),
+                       f"{prefix}max_ape": float(errors[mask].max())})
+    return report
+
+
 def cross_validate(profile: dict, cascade: bool, folds: int = 5, seed: int = 0) -> dict:
     """k-fold held-out error of the fit: MAPE and worst case, overall and per phase, and the worst row.
 
@@ -146,14 +167,8 @@ def cross_validate(profile: dict, cascade: bool, folds: int = 5, seed: int = 0) 
         test = [row for row, f in zip(rows, fold_of) if f == fold]
         coefficients, cache_bytes = fit_rows(train, shape, cache, cascade)
         predicted[fold_of == fold] = predict_rows(test, coefficients, shape, cache_bytes, cascade)
+    report = {"folds": folds, **relative_errors(rows, measured, predicted)}
     errors = np.abs(predicted - measured) / measured
-    report = {"folds": folds, "rows": len(rows), "mape": float(errors.mean()), "max_ape": float(errors.max())}
-    for phase in PHASES:
-        mask = np.array([row["phase"] == phase for row in rows])
-        if mask.any():
-            report[f"{phase}_rows"] = int(mask.sum())
-            report[f"{phase}_mape"] = float(errors[mask].mean())
-            report[f"{phase}_max_ape"] = float(errors[mask].max())
     worst = int(np.argmax(errors))
     composition = {k: v for k, v in rows[worst].items() if k in COMPOSITION_FIELDS}
     report["worst"] = {**composition, "measured_s": float(measured[worst]), "predicted_s": float(predicted[worst]),

@@ -54,22 +54,15 @@ def prediction_error(profile: dict, model, homogeneity_point: tuple[int, int, in
     overall and per phase, and its homogeneity comparison at ``homogeneity_point``."""
     import numpy as np
 
-    from feather_gym.costmodel.fit import measurement_rows, predict_rows
+    from feather_gym.costmodel.fit import measurement_rows, phase_masks, predict_rows, relative_errors
     from feather_gym.costmodel.homogeneity import homogeneity_comparison
-    from feather_gym.costmodel.profile_io import PHASES
 
     rows = measurement_rows(profile, model.cascade)
     measured = np.array([row["median_s"] for row in rows])
     predicted = predict_rows(rows, model.coefficients, model.model_shape, model.cache_bytes, model.cascade)
-    ratio = predicted / measured
-    report = {"profile": model.name, "rows": len(rows)}
-    for phase in (None, *PHASES):
-        mask = np.array([phase is None or row["phase"] == phase for row in rows])
-        if mask.any():
-            prefix = "" if phase is None else f"{phase}_"
-            report.update({f"{prefix}rows": int(mask.sum()), f"{prefix}mape": float(np.abs(ratio[mask] - 1).mean()),
-                           f"{prefix}max_ape": float(np.abs(ratio[mask] - 1).max()),
-                           f"{prefix}predicted_over_measured_median": float(np.median(ratio[mask]))})
+    report = {"profile": model.name, **relative_errors(rows, measured, predicted)}
+    for prefix, mask in phase_masks(rows).items():
+        report[f"{prefix}predicted_over_measured_median"] = float(np.median(predicted[mask] / measured[mask]))
     report["homogeneity"] = homogeneity_comparison(model, *homogeneity_point)
     return report
 
