@@ -8,7 +8,8 @@ it at each load factor and runs every policy there. Per load and policy it repor
 Over several instances of a workload (seeds of a generator, time windows of a recorded trace),
 :func:`summarise_sweeps` gives each load and policy its mean, least and greatest goodput, and
 judges every policy against the best of :data:`HEURISTICS` at that load: the heuristic with the
-highest mean goodput, the same policy in every instance. Over several workloads,
+highest mean goodput, the same policy in every instance, with a 95% interval of the ratio paired
+by instance (:mod:`feather_gym.stats`). Over several workloads,
 :func:`format_across` sets those judgements side by side.
 
 The SLO, its defaults per device and the goodput figures are :mod:`feather_gym.slo`'s.
@@ -23,6 +24,7 @@ import numpy as np
 
 from feather_gym.load import at_load, check_load, find_capacity
 from feather_gym.slo import SLO, latency_and_goodput
+from feather_gym.stats import mean_interval
 
 #: The fixed heuristics a trained policy's goodput is judged against: vLLM's FCFS, SGLang's LPM,
 #: DFS and HRRN, the Feather rule and ``cht``. ``feather-hold`` and ``feather-resident`` are not
@@ -98,8 +100,9 @@ def summarise_sweeps(reports: list[dict]) -> list[dict]:
     workload (seeds, or time windows of a trace; the same loads and policies in each): goodput's
     mean, least and greatest, the mean share within the SLO and mean TTFT p99; where a heuristic
     of :data:`HEURISTICS` ran, the best of them by mean goodput (``best_heuristic``) and the
-    policy's goodput over it, as a ratio of the means and its least and greatest per instance
-    (instances where the heuristic's goodput is 0 left out; None where it is 0 in every one);
+    policy's goodput over it, as a ratio of the means, its least and greatest per instance
+    (instances where the heuristic's goodput is 0 left out; None where it is 0 in every one) and
+    its paired 95% interval (:func:`_over`);
     where FCFS ran, the mean TTFT p99 over FCFS's."""
     runs = defaultdict(list)
     for report in reports:
@@ -127,27 +130,38 @@ def summarise_sweeps(reports: list[dict]) -> list[dict]:
 
 
 def _over(values: np.ndarray, base: np.ndarray, key: str) -> dict:
-    """``key`` (the ratio of the means), ``key_min`` and ``key_max`` (per instance) of ``values`` over ``base``."""
+    """``key`` (the ratio of the means), ``key_min`` and ``key_max`` (per instance) and ``key_ci95``
+    of ``values`` over ``base``, paired by instance.
+
+    ``key_ci95`` is the 95% interval of the mean paired difference, ``values - base``, over the
+    mean of ``base``, plus one: an interval around ``key`` that holds the instances' shared
+    variation out, so a ratio whose interval holds 1 is not told apart from ``base`` by these
+    instances. None for a single instance."""
     kept = base > 0
     if not kept.any():
-        return {key: None, f"{key}_min": None, f"{key}_max": None}
+        return {key: None, f"{key}_min": None, f"{key}_max": None, f"{key}_ci95": None}
     per_instance = values[kept] / base[kept]
-    return {key: float(values.mean() / base.mean()), f"{key}_min": float(per_instance.min()),
-            f"{key}_max": float(per_instance.max())}
+    interval = mean_interval(values - base)
+    scale = float(base.mean())
+    return {key: float(values.mean() / scale), f"{key}_min": float(per_instance.min()),
+            f"{key}_max": float(per_instance.max()),
+            f"{key}_ci95": None if interval is None else [1 + interval[1] / scale, 1 + interval[2] / scale]}
 
 
 def format_summary(summary: list[dict], over: str) -> str:
     """:func:`summarise_sweeps`'s rows as a table of at most 120 columns: a range (least-greatest
-    over the instances, which ``over`` names) follows a mean wherever the instances differ."""
+    over the instances, which ``over`` names) follows a goodput wherever the instances differ, and
+    the paired 95% interval (``[low-high]``) follows a ratio to the best heuristic."""
     count = max(row["instances"] for row in summary)
-    lines = [f"over {count} instance{'s' * (count > 1)} ({over}): the mean (least-greatest)",
+    lines = [f"over {count} instance{'s' * (count > 1)} ({over}): the mean (least-greatest)"
+             + ("; [the 95% interval, paired by instance]" if count > 1 else ""),
              f"vs best heuristic: goodput over the best mean goodput at the load of {', '.join(HEURISTICS)}",
              f"{'load':>5} {'policy':<24} {'goodput req/s':<28} {'vs best heuristic':<32} {'met':>6} "
              f"{'ttft p99':>9} {'vs fcfs':>7}"]
     for row in summary:
-        ratio = row.get("goodput_vs_best_heuristic")
+        ratio, interval = row.get("goodput_vs_best_heuristic"), row.get("goodput_vs_best_heuristic_ci95")
         versus = "-" if ratio is None else (
-            _spread(ratio, row["goodput_vs_best_heuristic_min"], row["goodput_vs_best_heuristic_max"], ".3f")
+            f"{ratio:.3f}" + ("" if interval is None else f" [{interval[0]:.3f}-{interval[1]:.3f}]")
             + f" {policy_label(row['best_heuristic'], 12)}")
         goodput = _spread(row["goodput_mean_req_s"], row["goodput_min_req_s"], row["goodput_max_req_s"], ".4g")
         fcfs = row.get("ttft_p99_vs_fcfs")

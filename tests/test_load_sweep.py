@@ -159,10 +159,16 @@ def test_summarise_sweeps_judges_every_policy_against_the_heuristic_best_on_aver
     # per seed: 2.2/1.5 and 1.8/2.0; seed 2, where dfs serves none within the SLO, left out
     assert trained["goodput_vs_best_heuristic_min"] == pytest.approx(0.9)
     assert trained["goodput_vs_best_heuristic_max"] == pytest.approx(2.2 / 1.5)
+    # paired differences 0.7, -0.2, 0: mean 0.1667, sd 0.4726, t(2) 4.303; over dfs's mean 3.5/3
+    half = 4.303 * 0.4726 / np.sqrt(3)
+    assert trained["goodput_vs_best_heuristic_ci95"] == pytest.approx(
+        [1 + (0.5 / 3 - half) / (3.5 / 3), 1 + (0.5 / 3 + half) / (3.5 / 3)], abs=1e-3)
+    assert summary["dfs"]["goodput_vs_best_heuristic_ci95"] == [1.0, 1.0]
     assert trained["ttft_p99_vs_fcfs"] == pytest.approx(4.0 / 8.0)
     assert trained["instances"] == 3 and summary["fcfs"]["ttft_p99_vs_fcfs"] == 1.0
     table = format_summary(list(summary.values()), "seeds 0-2")
-    assert "1.143 (0.900-1.467) dfs" in table
+    low, high = trained["goodput_vs_best_heuristic_ci95"]
+    assert f"1.143 [{low:.3f}-{high:.3f}] dfs" in table and "1.333 (0-2.2)" in table
     assert all(len(line) <= 120 for line in table.splitlines())
 
 

@@ -25,14 +25,11 @@ from __future__ import annotations
 import numpy as np
 
 from deploy.engine_rounds import DEFAULT_ONLINE, DEFAULT_ROUND_TIMEOUT_S, RoundResult, run_round
+from feather_gym.stats import mean_interval
 
 #: KV-cache size of the bench (GiB) when neither ``kv_cache_gib`` nor ``$VLLM_CPU_KVCACHE_SPACE`` sets one:
 #: 45 blocks of 128 tokens for SmolLM2-135M in float32.
 DEFAULT_BENCH_KV_CACHE_GIB = 0.25
-#: Two-sided 95% quantiles of Student's t for 1..30 degrees of freedom (1.96 beyond).
-_T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
-        2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
-        2.045, 2.042)
 
 
 def clip_lengths(trace, *, max_input_tokens: int | None, max_output_tokens: int | None):
@@ -81,13 +78,12 @@ def ratio_stats(values, *, unit: str = "round") -> dict:
     The standard error and interval are ``None`` for a single value.
     """
     x = np.asarray(values, dtype=np.float64)
-    mean, dof = float(x.mean()), len(x) - 1
-    stats = {f"per_{unit}": [round(float(v), 4) for v in x], "mean": round(mean, 4), "min": round(float(x.min()), 4),
-             "max": round(float(x.max()), 4), "sem": None, "ci95": None}
-    if dof:
-        sem = float(x.std(ddof=1) / np.sqrt(len(x)))
-        half = (_T95[dof - 1] if dof <= len(_T95) else 1.96) * sem
-        stats.update(sem=round(sem, 4), ci95=[round(mean - half, 4), round(mean + half, 4)])
+    stats = {f"per_{unit}": [round(float(v), 4) for v in x], "mean": round(float(x.mean()), 4),
+             "min": round(float(x.min()), 4), "max": round(float(x.max()), 4), "sem": None, "ci95": None}
+    interval = mean_interval(x)
+    if interval is not None:
+        sem, low, high = interval
+        stats.update(sem=round(sem, 4), ci95=[round(low, 4), round(high, 4)])
     return stats
 
 
