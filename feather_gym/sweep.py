@@ -102,8 +102,8 @@ def summarise_sweeps(reports: list[dict]) -> list[dict]:
     of :data:`HEURISTICS` ran, the best of them by mean goodput (``best_heuristic``) and the
     policy's goodput over it, as a ratio of the means, its least and greatest per instance
     (instances where the heuristic's goodput is 0 left out; None where it is 0 in every one) and
-    its paired 95% interval (:func:`_over`);
-    where FCFS ran, the mean TTFT p99 over FCFS's."""
+    its paired 95% interval (:func:`_over`); where FCFS ran, the mean TTFT p99 over FCFS's in
+    the same four figures."""
     runs = defaultdict(list)
     for report in reports:
         for row in report["rows"]:
@@ -112,7 +112,7 @@ def summarise_sweeps(reports: list[dict]) -> list[dict]:
     for load in dict.fromkeys(load for load, _ in runs):
         at_load = {policy: rows for (row_load, policy), rows in runs.items() if row_load == load}
         goodput = {policy: np.array([row["goodput_req_s"] for row in rows]) for policy, rows in at_load.items()}
-        ttft_p99 = {policy: float(np.mean([row["ttft_p99_s"] for row in rows])) for policy, rows in at_load.items()}
+        ttft_p99 = {policy: np.array([row["ttft_p99_s"] for row in rows]) for policy, rows in at_load.items()}
         best = max((p for p in at_load if p in HEURISTICS), key=lambda p: goodput[p].mean(), default=None)
         for policy, rows in at_load.items():
             entry = {"load": load, "policy": policy, "instances": len(rows),
@@ -120,11 +120,11 @@ def summarise_sweeps(reports: list[dict]) -> list[dict]:
                      "goodput_min_req_s": float(goodput[policy].min()),
                      "goodput_max_req_s": float(goodput[policy].max()),
                      "slo_met_fraction_mean": float(np.mean([row["slo_met_fraction"] for row in rows])),
-                     "ttft_p99_mean_s": ttft_p99[policy]}
+                     "ttft_p99_mean_s": float(ttft_p99[policy].mean())}
             if best is not None:
                 entry |= {"best_heuristic": best, **_over(goodput[policy], goodput[best], "goodput_vs_best_heuristic")}
             if "fcfs" in at_load:
-                entry["ttft_p99_vs_fcfs"] = ttft_p99[policy] / ttft_p99["fcfs"] if ttft_p99["fcfs"] > 0 else None
+                entry |= _over(ttft_p99[policy], ttft_p99["fcfs"], "ttft_p99_vs_fcfs")
             summary.append(entry)
     return summary
 

@@ -165,6 +165,10 @@ def test_summarise_sweeps_judges_every_policy_against_the_heuristic_best_on_aver
         [1 + (0.5 / 3 - half) / (3.5 / 3), 1 + (0.5 / 3 + half) / (3.5 / 3)], abs=1e-3)
     assert summary["dfs"]["goodput_vs_best_heuristic_ci95"] == [1.0, 1.0]
     assert trained["ttft_p99_vs_fcfs"] == pytest.approx(4.0 / 8.0)
+    # TTFT p99 5, 3, 4 against FCFS's 10, 6, 8: differences -5, -3, -4 (sd 1), over FCFS's mean 8
+    half = 4.303 / np.sqrt(3)
+    assert trained["ttft_p99_vs_fcfs_ci95"] == pytest.approx([1 + (-4 - half) / 8, 1 + (-4 + half) / 8], abs=1e-3)
+    assert trained["ttft_p99_vs_fcfs_min"] == trained["ttft_p99_vs_fcfs_max"] == pytest.approx(0.5)
     assert trained["instances"] == 3 and summary["fcfs"]["ttft_p99_vs_fcfs"] == 1.0
     table = format_summary(list(summary.values()), "seeds 0-2")
     low, high = trained["goodput_vs_best_heuristic_ci95"]
