@@ -25,6 +25,7 @@ from deploy.bench.serve import DEFAULT_ROUNDS as SERVE_ROUNDS
 from feather_cli.options import (
     add_flag,
     add_json,
+    add_max_wait_steps,
     add_output,
     add_policies,
     add_submission,
@@ -40,7 +41,6 @@ from feather_cli.options import (
     print_report,
     submission,
 )
-from feather_gym.policies import DEFAULT_MAX_WAIT_STEPS
 from traces.chunk_hash import DEFAULT_CHUNK_SIZE
 
 
@@ -177,8 +177,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="model dtype (default float32: outputs must be token-identical)")
     parser.add_argument("--max-input-tokens", type=positive_int, default=None, help="cut prompts to this many tokens")
     parser.add_argument("--max-output-tokens", type=positive_int, default=None, help="cut outputs to this many tokens")
-    parser.add_argument("--max-wait-steps", type=non_negative_int, default=DEFAULT_MAX_WAIT_STEPS,
-                        help=f"Feather waiting-time bound in engine steps (default {DEFAULT_MAX_WAIT_STEPS})")
+    add_max_wait_steps(parser)
     add_live_engine_arguments(parser, kv_default="$VLLM_CPU_KVCACHE_SPACE, else 0.25: the default prefix-heavy "
                                                  "workload then evicts")
     parser.set_defaults(func=serve_bench_command)

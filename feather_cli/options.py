@@ -118,6 +118,16 @@ def parse_policies(text: str) -> list[str]:
     return names
 
 
+def add_max_wait_steps(parser: argparse.ArgumentParser) -> None:
+    """``--max-wait-steps``: the admission's waiting-time bound, as the simulator and the deployed
+    scheduler both apply it (:data:`feather_gym.policies.DEFAULT_MAX_WAIT_STEPS`)."""
+    from feather_gym.policies import DEFAULT_MAX_WAIT_STEPS
+
+    parser.add_argument("--max-wait-steps", type=non_negative_int, default=DEFAULT_MAX_WAIT_STEPS, metavar="STEPS",
+                        help="the admission's waiting-time bound: the earliest-arrived waiting request is admitted "
+                             f"unasked once it has waited this many engine steps (default {DEFAULT_MAX_WAIT_STEPS})")
+
+
 def add_submission(parser: argparse.ArgumentParser) -> None:
     """The live benches' submission flags; :func:`submission` reads them back."""
     parser.add_argument("--all-at-once", action="store_true",

@@ -8,6 +8,7 @@ import re
 
 from feather_cli.options import (
     add_json,
+    add_max_wait_steps,
     add_policies,
     add_submission,
     add_workloads,
@@ -21,7 +22,6 @@ from feather_cli.options import (
     submission,
 )
 from feather_gym.compare import DEFAULT_POLICIES
-from feather_gym.policies import DEFAULT_MAX_WAIT_STEPS
 from feather_gym.slo import DEFAULT_SLOS
 
 WORKLOAD_HELP = ("trace file, shared trace name (mooncake, azure-conv) or KIND[:key=value,...]; "
@@ -57,6 +57,7 @@ def register(tree) -> None:
                          help="--model: SuffixReplay anchors on at most this many prompt pages (default 0: none)")
     compare.add_argument("--kv-tokens", type=positive_int, default=None,
                          help="KV-cache capacity in tokens, the state reserve included (default: the profile's)")
+    add_max_wait_steps(compare)
     compare.add_argument("--plot", metavar="FILE", help="write a bar chart (PNG) of throughput and TTFT")
     add_json(compare)
     compare.set_defaults(func=compare_command)
@@ -84,6 +85,7 @@ def register(tree) -> None:
     sweep.add_argument("--max-requests", type=positive_int, default=None, help="only the first N requests of the trace")
     sweep.add_argument("--kv-tokens", type=positive_int, default=None,
                        help="KV-cache capacity in tokens (default: the profile's)")
+    add_max_wait_steps(sweep)
     sweep.add_argument("--plot", metavar="FILE", help="write TTFT p99 and goodput against load (PNG)")
     add_json(sweep)
     sweep.set_defaults(func=sweep_command)
@@ -98,8 +100,7 @@ def register(tree) -> None:
     add_submission(validate)
     validate.add_argument("--kv-cache-gib", type=positive_float, default=None,
                           help="KV cache (GiB; default $VLLM_CPU_KVCACHE_SPACE, else the bench's 0.25)")
-    validate.add_argument("--max-wait-steps", type=non_negative_int, default=DEFAULT_MAX_WAIT_STEPS,
-                          help=f"the admission's waiting-time bound in engine steps (default {DEFAULT_MAX_WAIT_STEPS})")
+    add_max_wait_steps(validate)
     validate.add_argument("--max-input-tokens", type=positive_int, default=None, help="cut prompts to this many tokens")
     validate.add_argument("--max-output-tokens", type=positive_int, default=None,
                           help="cut outputs to this many tokens")
@@ -120,7 +121,7 @@ def compare_command(args) -> int:
     names = parse_policies(args.policies)
     label, spec = split_workload(args.workload)
     cost_model = load_cost_model(args.profile or (hardware_profile() if args.model is None else HYBRID_CPU_PROFILE))
-    config = EngineConfig(kv_capacity_tokens=args.kv_tokens)
+    config = EngineConfig(kv_capacity_tokens=args.kv_tokens, max_wait_steps=args.max_wait_steps)
     trace, load = resolve_at_load(spec, seed=args.seed, cost_model=cost_model, config=config,
                                   max_requests=args.max_requests)
     if load is not None:
@@ -131,7 +132,7 @@ def compare_command(args) -> int:
     else:
         configs, description = hybrid_configs(args.model, placements=parse_policies(args.placements),
                                               max_states=args.max_states, anchor_pages=args.anchor_pages,
-                                              kv_tokens=args.kv_tokens)
+                                              kv_tokens=args.kv_tokens, max_wait_steps=args.max_wait_steps)
         print(description)
         results = {f"{name}@{placement}": metrics for placement, config in configs.items()
                    for name, metrics in compare_policies(trace, cost_model, names, config).items()}
@@ -140,7 +141,8 @@ def compare_command(args) -> int:
     return _emit(args, format_comparison(results),
                  lambda path: plot_comparison(results, path, title=f"{label} on {cost_model.name}"),
                  {"workload": label, "spec": spec, "profile": cost_model.name, "requests": len(trace),
-                  "arrival_span_s": trace.duration_s, **(load or {}), "policies": results})
+                  "arrival_span_s": trace.duration_s, "max_wait_steps": args.max_wait_steps, **(load or {}),
+                  "policies": results})
 
 
 def sweep_command(args) -> int:
@@ -154,7 +156,7 @@ def sweep_command(args) -> int:
                  for label, spec in workloads.items()}
     cost_model = load_cost_model(args.profile or hardware_profile())
     slo = parse_slo(args.slo, DEFAULT_SLOS[cost_model.device])
-    config = EngineConfig(kv_capacity_tokens=args.kv_tokens)
+    config = EngineConfig(kv_capacity_tokens=args.kv_tokens, max_wait_steps=args.max_wait_steps)
     payloads = []
     for label, spec in workloads.items():
         if payloads:
@@ -166,7 +168,7 @@ def sweep_command(args) -> int:
         print("\n" + format_across({payload["workload"]: payload["summary"] for payload in payloads}))
         payload = {**slo.as_dict(), "workloads": payloads}
     if args.json:
-        print(json.dumps({**payload, "heuristics": list(HEURISTICS)}))
+        print(json.dumps({**payload, "max_wait_steps": config.max_wait_steps, "heuristics": list(HEURISTICS)}))
     return 0
 
 
@@ -176,7 +178,8 @@ def _sweep_workload(args, label: str, spec: str, instances: list[dict], cost_mod
     from feather_gym.load import resolve_at_load
     from feather_gym.sweep import format_summary, format_sweep, load_sweep, plot_sweep, summarise_sweeps
 
-    print(f"workload {label}, profile {cost_model.name}; SLO TTFT {slo.ttft_s:g} s, TPOT {slo.tpot_s * 1e3:g} ms")
+    print(f"workload {label}, profile {cost_model.name}; SLO TTFT {slo.ttft_s:g} s, TPOT {slo.tpot_s * 1e3:g} ms; "
+          f"waiting bound {config.max_wait_steps} engine steps")
     reports = []
     for instance in instances:
         trace, _ = resolve_at_load(instance["spec"], seed=instance["seed"], cost_model=cost_model, config=config,

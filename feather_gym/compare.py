@@ -10,6 +10,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from feather_gym.policies import DEFAULT_MAX_WAIT_STEPS
+
 DEFAULT_POLICIES = "fcfs,lpm,dfs,hrrn,feather-rule,group-label"
 
 
@@ -34,7 +36,7 @@ def compare_policies(trace, cost_model, policy_names: list[str], config=None) ->
 
 
 def hybrid_configs(model: str, *, placements: list[str], max_states: int, anchor_pages: int,
-                   kv_tokens: int | None) -> tuple[dict, str]:
+                   kv_tokens: int | None, max_wait_steps: int = DEFAULT_MAX_WAIT_STEPS) -> tuple[dict, str]:
     """``({placement: EngineConfig}, description)`` of a hybrid model (``hybrid`` or ``trained`` = the
     trained one, ``tiny``, or a local model folder, :func:`~feather_gym.hybrid.model.resolve_model`);
     the layout needs the model's config only, not its weights."""
@@ -54,7 +56,7 @@ def hybrid_configs(model: str, *, placements: list[str], max_states: int, anchor
                    f"a recurrent state takes {state_blocks} KV blocks, at most {max_states} kept"
                    + (f", anchors on at most {anchor_pages} pages" if anchor_pages else "")
                    + f"\n  engine block {block_size} tokens (vLLM's choice for this model on CPU)")
-    configs = {p: EngineConfig(block_size=block_size, kv_capacity_tokens=kv_tokens,
+    configs = {p: EngineConfig(block_size=block_size, kv_capacity_tokens=kv_tokens, max_wait_steps=max_wait_steps,
                                hybrid=HybridSimConfig(placement=p, max_states=max_states, state_blocks=state_blocks,
                                                       anchor_pages=anchor_pages))
                for p in placements}

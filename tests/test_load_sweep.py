@@ -121,6 +121,33 @@ def test_sim_sweep_json_is_one_object_on_the_last_line(capsys, tmp_path):
     assert high["arrival_rate_req_s"] == pytest.approx(low["arrival_rate_req_s"] * 1.2 / 0.5)
 
 
+def test_sim_sweep_and_compare_run_under_the_waiting_bound_given(capsys):
+    """--max-wait-steps reaches the simulator and is reported: with a bound of 0 every waiting request is
+    overdue at once, so the earliest-arrived is admitted unasked and `cht` serves in FCFS's order."""
+    from feather_cli.main import main
+
+    spec = "prefix-groups:num_requests=80,groups=16,prefix_tokens=512,output_tokens_min=8,output_tokens_max=32,rate=20"
+    engine = ["--profile", "vllm-cpu", "--kv-tokens", "5760", "--policies", "fcfs,cht"]
+
+    def sweep(*bound):
+        assert main(["sim", "sweep", "--workload", spec, *engine, "--loads", "1.1", *bound, "--json"]) == 0
+        out = capsys.readouterr().out.strip().splitlines()
+        return json.loads(out[-1]), out[0]
+
+    (default, _), (bound, first_line) = sweep(), sweep("--max-wait-steps", "0")
+    assert default["max_wait_steps"] == 32 and bound["max_wait_steps"] == 0
+    assert "waiting bound 0 engine steps" in first_line
+    fcfs, cht = bound["rows"]
+    assert cht["forced_wait_admissions"] > 0 == default["rows"][1]["forced_wait_admissions"]
+    assert cht["ttft_mean_s"] == pytest.approx(fcfs["ttft_mean_s"])
+    assert default["rows"][1]["ttft_mean_s"] < 0.9 * fcfs["ttft_mean_s"]
+
+    assert main(["sim", "compare", "--workload", f"{spec}@load=1.1", *engine, "--max-wait-steps", "0", "--json"]) == 0
+    compared = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert compared["max_wait_steps"] == 0
+    assert compared["policies"]["cht"]["ttft_mean_s"] == pytest.approx(compared["policies"]["fcfs"]["ttft_mean_s"])
+
+
 def test_a_policy_file_is_labelled_by_its_run_and_name_in_the_table_and_the_legend():
     from feather_gym.sweep import policy_label
 
