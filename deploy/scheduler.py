@@ -36,6 +36,7 @@ check replaces the policy between two steps, a bad one is refused and the old on
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -147,6 +148,18 @@ def load_deployable_policy(spec: str, *, device: str = "cpu"):
     return policy
 
 
+def trained_workloads(recorded: str | None) -> str | None:
+    """A policy file's ``feather.workload`` for a log line: a mix (a JSON list, as ``feather train``
+    records it) as its size and first workload, a single workload as it is."""
+    try:
+        mix = json.loads(recorded or "")
+    except ValueError:
+        return recorded
+    if not isinstance(mix, list) or len(mix) < 2:
+        return recorded
+    return f"a mix of {len(mix)} workloads, the first {mix[0]} (the file's feather.workload lists them)"
+
+
 def build_admission(config: FeatherConfig, *, num_running: Callable[[], int], kv_usage: Callable[[], float],
                     max_num_seqs: int, resident_tokens: Callable[[object], int],
                     resumable: Callable[[object, int], int] | None = None) -> Admission:
@@ -167,9 +180,10 @@ def build_admission(config: FeatherConfig, *, num_running: Callable[[], int], kv
         return FCFSAdmission()
     runtime = getattr(policy, "runtime", None)
     if runtime is not None:
+        metadata = runtime.metadata
         logger.info("Feather policy %s loaded (%s, trained on %s / %s)", config.policy,
                     "compiled evaluator" if runtime.kernel == "native" else f"onnxruntime {runtime.provider}",
-                    runtime.metadata.get("feather.profile"), runtime.metadata.get("feather.workload"))
+                    metadata.get("feather.profile"), trained_workloads(metadata.get("feather.workload")))
     return PolicyAdmission(policy, num_running=num_running, kv_usage=kv_usage, max_num_seqs=max_num_seqs,
                            resident_tokens=resident_tokens, max_wait_steps=config.max_wait_steps,
                            resumable=resumable)

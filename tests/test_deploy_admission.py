@@ -300,6 +300,27 @@ def test_serving_with_another_waiting_bound_than_trained_warns(files, tmp_path, 
     assert "trained with max_wait_steps=32 and serves with 8" in caplog.text
 
 
+def test_the_start_line_names_a_training_mix_by_its_size(files, tmp_path, caplog):
+    """A mix is logged as its size and first workload, not the whole list (one line per engine start)."""
+    import torch
+
+    from feather_gym.observation import observation_size
+    from trainer.export import export_policy_module
+
+    mix = [f"prefix-groups:groups={groups},num_requests=64@load=0.9" for groups in range(2, 40)]
+    hooks = {"num_running": lambda: 0, "kv_usage": lambda: 0.0, "max_num_seqs": 256,
+             "resident_tokens": nothing_resident}
+    for name, workload in (("mix", mix), ("one", "prefix-groups:num_requests=40")):
+        export_policy_module(torch.nn.Linear(observation_size(1), 2), tmp_path / f"{name}.onnx", profile="cpu",
+                             workload=workload, observations=np.zeros((4, observation_size(1)), np.float32))
+    with caplog.at_level(logging.INFO, logger="deploy.scheduler"):
+        build_admission(FeatherConfig(policy=str(tmp_path / "mix.onnx")), **hooks)
+        build_admission(FeatherConfig(policy=str(tmp_path / "one.onnx")), **hooks)
+    mixed, single = (record.getMessage() for record in caplog.records if "loaded" in record.getMessage())
+    assert f"trained on cpu / a mix of 38 workloads, the first {mix[0]} " in mixed and mix[1] not in mixed
+    assert single.endswith("trained on cpu / prefix-groups:num_requests=40)")
+
+
 def test_the_feather_rule_is_deployable_and_fcfs_orderings_are_refused():
     hooks = {"num_running": lambda: 0, "kv_usage": lambda: 0.0, "max_num_seqs": 256,
              "resident_tokens": nothing_resident}
