@@ -162,8 +162,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add_workloads(parser, "workload, repeatable; default: "
                   + "; ".join(f"{k}={v}" for k, v in ENGINE_SIZED_WORKLOADS.items())
                   + f"; with --loads one, default {SWEEP_WORKLOAD}")
-    parser.add_argument("--loads", type=float_list, default=None, metavar="0.7,0.9,1.1",
-                        help="load factors of the workload's FCFS capacity on this machine: the live load sweep")
+    parser.add_argument("--loads", type=float_list, default=None, metavar="1.1,0.9,0.7",
+                        help="load factors of the workload's FCFS capacity on this machine: the live load sweep, "
+                             "in this order (highest first forecasts best, see deploy/bench/live_sweep.py)")
     parser.add_argument("--profile", default=None,
                         help="--loads: cost-model profile to calibrate and simulate (default: this machine's)")
     parser.add_argument("--slo", default="", metavar="ttft=10s,tpot=500ms",

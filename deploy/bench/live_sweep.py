@@ -33,6 +33,10 @@ engine, each load's figures beside the simulator's on the same requests and arri
    ``at_load_clock`` the one measured while it ran: what remains between it and live is the
    simulator's scheduling, not the machine's drift. The timing's per-step composition read
    counts in vLLM's scheduler CPU time, as the Feather scheduler's step log counts in its own.
+   Loads run in the order given. The profile's per-step error itself varies with the load, so a
+   clock forecasts best the loads near the one it was fitted at; give the loads from the highest
+   down (:data:`DEFAULT_LOADS`), and the load past capacity, whose goodput moves most with the
+   clock, is forecast with the calibration's clock, fitted at :data:`CALIBRATION_LOAD`.
 
 A load meets the live target (``meets_live_target``) when its rankings agree and every policy's
 goodput is within :data:`GOODPUT_TOLERANCE` of the simulated one.
@@ -68,7 +72,8 @@ logger = logging.getLogger(__name__)
 #: pattern a Poisson process (the load rescales its rate).
 DEFAULT_WORKLOAD = ("prefix-groups:num_requests=48,groups=4,prefix_tokens=384,suffix_tokens_min=16,"
                     "suffix_tokens_max=96,output_tokens_min=16,output_tokens_max=48,rate=1")
-DEFAULT_LOADS = (0.7, 0.9, 1.1)
+#: The default loads, highest first (module doc, step 5).
+DEFAULT_LOADS = (1.1, 0.9, 0.7)
 #: Feather policies beside vLLM's scheduler (``fcfs``) when none are named.
 DEFAULT_POLICIES = ("feather-rule",)
 DEFAULT_ROUNDS = 2
