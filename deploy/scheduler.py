@@ -110,8 +110,8 @@ class FeatherConfig:
         serves with (its decisions then meet states it was not trained in)."""
         policy = load_deployable_policy(spec, device=self.device)
         runtime = getattr(policy, "runtime", None)
-        trained_bound = runtime.metadata.get("feather.max_wait_steps") if runtime is not None else None
-        if trained_bound not in (None, str(self.max_wait_steps)):
+        trained_bound = runtime.trained_bound_differs(self.max_wait_steps) if runtime is not None else None
+        if trained_bound is not None:
             logger.warning("Feather policy %s was trained with max_wait_steps=%s and serves with %d: its "
                            "decisions meet states it was not trained in", spec, trained_bound, self.max_wait_steps)
         return policy

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 
 from feather_cli.options import (
     add_json,
@@ -119,6 +120,7 @@ def compare_command(args) -> int:
     from feather_gym.simulator import EngineConfig
 
     names = parse_policies(args.policies)
+    warn_of_trained_bounds(names, args.max_wait_steps)
     label, spec = split_workload(args.workload)
     cost_model = load_cost_model(args.profile or (hardware_profile() if args.model is None else HYBRID_CPU_PROFILE))
     config = EngineConfig(kv_capacity_tokens=args.kv_tokens, max_wait_steps=args.max_wait_steps)
@@ -145,6 +147,17 @@ def compare_command(args) -> int:
                   "policies": results})
 
 
+def warn_of_trained_bounds(names: list[str], max_wait_steps: int) -> None:
+    """On stderr, each policy file among ``names`` trained under another waiting-time bound than
+    ``max_wait_steps`` (as the deployed scheduler warns at start)."""
+    from feather_gym.policy_runtime import OnnxPolicy
+
+    for name in names:
+        if name.endswith(".onnx") and (trained := OnnxPolicy(name).trained_bound_differs(max_wait_steps)):
+            print(f"feather: warning: {name} was trained with max_wait_steps={trained} and is simulated with "
+                  f"{max_wait_steps}: its decisions meet states it was not trained in", file=sys.stderr)
+
+
 def sweep_command(args) -> int:
     from feather_gym.costmodel import hardware_profile, load_cost_model
     from feather_gym.simulator import EngineConfig
@@ -157,6 +170,7 @@ def sweep_command(args) -> int:
     cost_model = load_cost_model(args.profile or hardware_profile())
     slo = parse_slo(args.slo, DEFAULT_SLOS[cost_model.device])
     config = EngineConfig(kv_capacity_tokens=args.kv_tokens, max_wait_steps=args.max_wait_steps)
+    warn_of_trained_bounds(parse_policies(args.policies), args.max_wait_steps)
     payloads = []
     for label, spec in workloads.items():
         if payloads:

@@ -237,6 +237,14 @@ class OnnxPolicy:
                 raise PolicyLoadError(
                     f"{self.path}: {arg.name!r} is {arg.type} {arg.shape}, expected tensor(float) [N, {width}]")
 
+    def trained_bound_differs(self, max_wait_steps: int) -> str | None:
+        """The waiting-time bound (engine steps) this policy was trained under, as its
+        ``feather.max_wait_steps`` records it, when that is not ``max_wait_steps``; None when they
+        agree or the file records none. A policy run under another bound meets states it was not
+        trained in."""
+        trained = self.metadata.get("feather.max_wait_steps")
+        return None if trained in (None, str(max_wait_steps)) else trained
+
     def logits(self, obs: np.ndarray) -> np.ndarray:
         """Logits ``[N, k + 1]`` for observation rows ``[N, F]`` (batch path, allocates)."""
         (out,) = self._session.run([OUTPUT_NAME], {INPUT_NAME: np.ascontiguousarray(obs, dtype=np.float32)})
