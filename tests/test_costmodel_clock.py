@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from feather_gym.costmodel import DecodeBatch, load_cost_model
-from feather_gym.costmodel.clock import fit_clock, predicted_step_s
+from feather_gym.costmodel.clock import clock_error, fit_clock, predicted_step_s
 from feather_gym.costmodel.features import PREFILL_COLUMNS
 from feather_gym.costmodel.refit import LiveStep
 
@@ -103,6 +103,19 @@ def test_scaled_refuses_a_factor_that_is_not_a_positive_number(factor):
         load_cost_model("vllm-cpu").scaled(factor)
     with pytest.raises(ValueError, match="clock factor"):
         load_cost_model("vllm-cpu").scaled(1.0, prefill_factor=factor)
+
+
+def test_the_clock_error_of_a_model_is_how_much_longer_the_steps_took_than_it_predicts():
+    base = load_cost_model("vllm-cpu")
+    steps = timed(base, [1.25, 1.0, 1.0, 1.0, 1.0], extra=[NOTHING])          # a step with no work is left out
+    predicted = sum(predicted_step_s(base, step) for step in steps[:-1])
+    assert clock_error(steps, base) == pytest.approx(sum(step.step_wall_s for step in steps[:-1]) / predicted - 1)
+    assert clock_error(steps, base) > 0
+    assert clock_error(timed(base, [1.1] * 5), base.scaled(1.1)) == pytest.approx(0.0, abs=1e-12)
+    assert clock_error(timed(base, [0.8] * 5), base) == pytest.approx(-0.2)
+    assert clock_error(timed(base, [1.0] * 5), base, clock="cpu") == pytest.approx(-0.5)   # the CPU clock's times
+    with pytest.raises(ValueError, match="no clock to calibrate"):
+        clock_error(timed(base, [], extra=[NOTHING]), base)
 
 
 def test_fit_clock_refuses_steps_without_work_and_an_unknown_clock():

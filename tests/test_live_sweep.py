@@ -12,7 +12,14 @@ import re
 import numpy as np
 import pytest
 
-from deploy.bench.live_sweep import FIGURES, compare_load, format_live_sweep
+from deploy.bench.live_sweep import (
+    FIGURES,
+    clock_sensitivity,
+    clock_tolerance,
+    compare_load,
+    format_live_sweep,
+    goodput_clock_elasticity,
+)
 
 #: Eight requests in two prefix groups, Poisson arrivals (the load rescales their rate).
 WORKLOAD = ("prefix-groups:num_requests=8,groups=2,prefix_tokens=256,suffix_tokens_min=16,suffix_tokens_max=64,"
@@ -96,6 +103,22 @@ def test_with_rounds_the_ranking_is_also_checked_on_the_pairs_every_round_orders
     assert single["live_unsettled_pairs"] is None and single["same_ranking_where_rounds_agree"] is None
 
 
+def test_the_clock_tolerance_is_the_goodput_tolerance_over_the_steepest_elasticity():
+    # 2% faster steps: goodput 0.77; as forecast 0.61; 2% slower 0.63 -> about 5.9% per 1%.
+    steep = goodput_clock_elasticity(0.77, 0.61, 0.63, step=0.02)
+    assert steep == pytest.approx((0.77 - 0.63) / (0.04 * 0.61))
+    assert goodput_clock_elasticity(0.5, 0.5, 0.5) == 0.0 and goodput_clock_elasticity(0.1, 0.0, 0.0) is None
+    assert goodput_clock_elasticity(0.4, 0.5, 0.6, step=0.1) == pytest.approx(-2.0)   # sign kept: it rose
+    assert clock_tolerance({"fcfs": steep, "feather-rule": 1.0, "idle": None}) == pytest.approx(0.10 / steep)
+    assert clock_tolerance({"fcfs": -4.0, "feather-rule": 1.0}) == pytest.approx(0.025)
+    assert clock_tolerance({"fcfs": 0.0, "feather-rule": None}) is None                 # nothing moves
+    outside = clock_sensitivity({"fcfs": steep, "feather-rule": 1.0}, -0.032)
+    assert outside["clock_tolerance_fraction"] == pytest.approx(0.10 / steep)
+    assert outside["forecast_clock_error_fraction"] == -0.032 and not outside["forecast_clock_within_tolerance"]
+    assert clock_sensitivity({"fcfs": steep}, 0.01)["forecast_clock_within_tolerance"]
+    assert clock_sensitivity({"fcfs": 0.0}, 0.5)["forecast_clock_within_tolerance"]     # no goodput to move
+
+
 @pytest.mark.parametrize("more", [{}, {"feather-hold": 2.01, "runs/another-long-run/policy.onnx": 2.03,
                                       "feather-resident": 2.04}])
 def test_the_table_of_a_sweep_of_two_rounds_names_the_check_on_settled_pairs_within_120_columns(more):
@@ -112,10 +135,14 @@ def test_the_table_of_a_sweep_of_two_rounds_names_the_check_on_settled_pairs_wit
               "burst_clock_factor": 1.0, "burst_clock_prefill_factor": 1.0, "burst_capacity_requests_per_s": 1.5,
               "capacity_requests_per_s": 1.5, "capacity_simulations": 8,
               "loads": [{"load": 0.9, "arrival_rate_req_s": 1.35, "capacity_requests_per_s": 1.5, **compared,
+                         "clock_sensitivity": clock_sensitivity({name: 5.9 for name in sim}, -0.032),
                          "load_clock": clock, "at_load_clock": compared}]}
     lines = format_live_sweep(report).splitlines()
     assert sum("on the pairs every live round orders alike (" in line for line in lines) == 2
-    assert sum("target" in line for line in lines) == 2
+    assert sum("target" in line for line in lines) == 3
+    text = " ".join(" ".join(lines).split())
+    assert "clock: live FCFS steps -3.2% off the forecast's; goodput moves 5.9% per 1% of step time" in text
+    assert "the target needs the clock within 1.7%: OUTSIDE" in text
     assert not more or "another-long-run" in "\n".join(lines)
     assert all(len(line) <= 120 for line in lines)
 
@@ -241,6 +268,16 @@ def test_a_small_live_sweep_reports_every_figure_and_every_request_finishes(caps
             assert other["goodput_live_over_sim"] == pytest.approx(
                 other["live"]["goodput_req_s"] / other["sim"]["goodput_req_s"])
         assert isinstance(refit["meets_live_target"], bool)
+    for entry in report["loads"]:                  # how right the forecast's clock had to be, and was
+        sensitivity = entry["clock_sensitivity"]
+        assert set(sensitivity["goodput_clock_elasticity"]) == set(report["policies"])
+        assert abs(sensitivity["forecast_clock_error_fraction"]) < 1
+        tolerance = sensitivity["clock_tolerance_fraction"]
+        assert tolerance is None or tolerance > 0
+        assert sensitivity["forecast_clock_within_tolerance"] == (
+            tolerance is None or abs(sensitivity["forecast_clock_error_fraction"]) <= tolerance)
+    assert report["loads_forecast_clock_within_tolerance"] == sum(
+        entry["clock_sensitivity"]["forecast_clock_within_tolerance"] for entry in report["loads"])
     for key in ("same_ranking", "meets_live_target"):
         assert report[f"loads_{key}"] == sum(entry[key] for entry in report["loads"])
         assert report[f"loads_{key}_at_load_clock"] == sum(entry["at_load_clock"][key] for entry in report["loads"])

@@ -37,6 +37,15 @@ engine, each load's figures beside the simulator's on the same requests and arri
    clock forecasts best the loads near the one it was fitted at; give the loads from the highest
    down (:data:`DEFAULT_LOADS`), and the load past capacity, whose goodput moves most with the
    clock, is forecast with the calibration's clock, fitted at :data:`CALIBRATION_LOAD`.
+6. **How right the clock must be.** Near capacity goodput moves steeply with the clock. Every
+   policy is simulated once more on the load's arrivals with the forecast's clock made
+   :data:`CLOCK_STEP` faster and slower; the goodput's elasticity (percent it falls per percent
+   longer steps, :func:`goodput_clock_elasticity`) gives the clock error within which every
+   forecast stays within :data:`GOODPUT_TOLERANCE`, to first order (``clock_tolerance_fraction``,
+   :func:`clock_tolerance`). The load's live FCFS steps give the forecast clock's own error there
+   (``forecast_clock_error_fraction``, :func:`~feather_gym.costmodel.clock.clock_error`). Where the
+   error exceeds the tolerance, the forecast cannot be expected to meet the target whatever the
+   simulator's scheduling (``forecast_clock_within_tolerance`` false).
 
 A load meets the live target (``meets_live_target``) when its rankings agree and every policy's
 goodput is within :data:`GOODPUT_TOLERANCE` of the simulated one.
@@ -81,6 +90,8 @@ DEFAULT_ROUNDS = 2
 CALIBRATION_LOAD = 1.0
 #: How far a policy's live goodput may be from the simulated one (relative) for a load to meet the live target.
 GOODPUT_TOLERANCE = 0.10
+#: The relative change of the clock at which the forecast's sensitivity to it is measured (module doc, step 6).
+CLOCK_STEP = 0.02
 #: Figures of each side per load and policy (keys of both).
 FIGURES = ("throughput_tok_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_ms", "tpot_p99_ms", "goodput_req_s",
            "slo_met_fraction", "steps", "step_ms_mean", "decisions", "forced_wait_admissions",
@@ -131,6 +142,31 @@ def compare_load(sim_rows: dict[str, dict], live_sides: dict[str, dict]) -> dict
             same_ranking(goodput["sim"], goodput["live"], unchecked=unsettled)}
 
 
+def goodput_clock_elasticity(faster: float, goodput: float, slower: float, step: float = CLOCK_STEP) -> float | None:
+    """How many percent a simulated goodput falls per percent longer steps, by a central difference
+    of the goodputs on a clock whose steps are ``1 - step`` (``faster``), 1 and ``1 + step``
+    (``slower``) times as long; None when ``goodput`` is 0."""
+    return (faster - slower) / (2 * step * goodput) if goodput > 0 else None
+
+
+def clock_tolerance(elasticities: dict[str, float | None]) -> float | None:
+    """The clock error (a fraction) within which every policy's forecast goodput stays within
+    :data:`GOODPUT_TOLERANCE`, to first order: the tolerance over the largest elasticity in
+    magnitude; None when no goodput moves with the clock."""
+    worst = max((abs(e) for e in elasticities.values() if e is not None), default=0.0)
+    return GOODPUT_TOLERANCE / worst if worst > 0 else None
+
+
+def clock_sensitivity(elasticities: dict[str, float | None], forecast_error: float) -> dict:
+    """One load's step 6 (module doc): per policy the goodput's elasticity to the clock, the clock
+    error the target tolerates, the forecast clock's error on the load's live steps, and whether it
+    is within the tolerance."""
+    tolerance = clock_tolerance(elasticities)
+    return {"goodput_clock_elasticity": elasticities, "clock_tolerance_fraction": tolerance,
+            "forecast_clock_error_fraction": forecast_error,
+            "forecast_clock_within_tolerance": tolerance is None or abs(forecast_error) <= tolerance}
+
+
 def unsettled_pairs(live_sides: dict[str, dict]) -> list[list[str]] | None:
     """The pairs of policies whose live goodputs are not in the same order in every round (round
     ``i`` of one against round ``i`` of the other; a tie in one round and an order in another is
@@ -173,7 +209,7 @@ def live_sweep(workload: str = DEFAULT_WORKLOAD, *, label: str | None = None, lo
     from deploy.bench.validate import as_deployed, as_served, live_sides, simulated_engine
     from deploy.engine_rounds import kv_capacity, run_round
     from feather_gym.costmodel import hardware_profile, load_cost_model
-    from feather_gym.costmodel.clock import fit_clock
+    from feather_gym.costmodel.clock import clock_error, fit_clock
     from feather_gym.load import at_load, check_load, find_capacity
     from feather_gym.simulator import trace_digests
     from feather_gym.slo import DEFAULT_SLOS
@@ -224,14 +260,20 @@ def live_sweep(workload: str = DEFAULT_WORKLOAD, *, label: str | None = None, lo
         if k:
             capacity = find_capacity(trace, cost_model, engine_config, digests=digests)
         loaded = at_load(trace, capacity, load)
-        forecast = simulate_policies(loaded, cost_model, names, slo=slo, config=engine_config, digests=digests,
-                                     policy_factory=as_deployed)
+        faster, forecast, slower = (
+            simulate_policies(loaded, cost_model.scaled(scale) if scale != 1 else cost_model, names, slo=slo,
+                              config=engine_config, digests=digests, policy_factory=as_deployed)
+            for scale in (1 - CLOCK_STEP, 1, 1 + CLOCK_STEP))
+        elasticities = {row["policy"]: goodput_clock_elasticity(*(rows[i]["goodput_req_s"]
+                                                                  for rows in (faster, forecast, slower)))
+                        for i, row in enumerate(forecast)}
         logger.info("load %g: %.3g requests/s over %.1f s (clock x%.4f, prefill x%.4f)", load,
                     capacity.requests_per_s * load, loaded.duration_s, clock.factor, clock.prefill_factor)
         fcfs_steps: list = []
         timed = {**sides, "fcfs": (StepTimedScheduler, {"timed_steps": fcfs_steps})}
         live = run_schedulers(llm, loaded, timed, rounds=rounds, online=True, warm_up=False, rotation=k, slo=slo,
                               timeout_s=timeout_s)
+        sensitivity = clock_sensitivity(elasticities, clock_error(fcfs_steps, cost_model))
         clock = fit_clock(fcfs_steps, base, clock="wall")
         cost_model = clock.scale(base)
         refit = simulate_policies(loaded, cost_model, names, slo=slo, config=engine_config, digests=digests,
@@ -240,11 +282,14 @@ def live_sweep(workload: str = DEFAULT_WORKLOAD, *, label: str | None = None, lo
                                 "capacity_requests_per_s": capacity.requests_per_s,
                                 "arrival_span_s": loaded.duration_s, "live_order": live["order"],
                                 **compare_load({row["policy"]: row for row in forecast}, live["sides"]),
+                                "clock_sensitivity": sensitivity,
                                 "load_clock": clock.as_dict(),
                                 "at_load_clock": compare_load({row["policy"]: row for row in refit}, live["sides"])})
     for key in ("same_ranking", "meets_live_target", "same_ranking_where_rounds_agree"):
         report[f"loads_{key}"] = sum(bool(entry[key]) for entry in report["loads"])
         report[f"loads_{key}_at_load_clock"] = sum(bool(entry["at_load_clock"][key]) for entry in report["loads"])
+    report["loads_forecast_clock_within_tolerance"] = sum(entry["clock_sensitivity"]["forecast_clock_within_tolerance"]
+                                                          for entry in report["loads"])
     report["load_average_1min_start"], report["load_average_1min_end"] = load_start, os.getloadavg()[0]
     report["wall_s"] = round(time.perf_counter() - started, 1)
     return report
@@ -297,6 +342,7 @@ def format_live_sweep(report: dict) -> str:
                              f"{'agree' if entry['same_ranking'] else 'DISAGREE'}", 23))
         rows += _settled_rows(entry, "  ")
         rows.append(_target_text(entry, "  "))
+        rows.append(_sensitivity_text(entry["clock_sensitivity"], "  "))
         clock, refit = entry["load_clock"], entry["at_load_clock"]
         refit_goodput = {name: p["sim"]["goodput_req_s"] for name, p in refit["policies"].items()}
         rows.append(f"  at its FCFS steps' clock (x{clock['clock_factor']:.3f}, "
@@ -326,6 +372,21 @@ def _target_text(comparison: dict, indent: str) -> str:
                        for name, p in comparison["policies"].items())
     return _wrapped(f"{indent}goodput live/sim {ratios}: target "
                     f"{'met' if comparison['meets_live_target'] else 'MISSED'}", len(indent) + 2)
+
+
+def _sensitivity_text(sensitivity: dict, indent: str) -> str:
+    """One load's clock sensitivity (:func:`clock_sensitivity`) at ``indent``, wrapped within 120 columns."""
+    error = 100 * sensitivity["forecast_clock_error_fraction"]
+    text = f"{indent}clock: live FCFS steps {error:+.1f}% off the forecast's"
+    tolerance = sensitivity["clock_tolerance_fraction"]
+    if tolerance is None:
+        return _wrapped(f"{text}; no goodput moves with the clock", len(indent) + 2)
+    elasticities = {name: e for name, e in sensitivity["goodput_clock_elasticity"].items() if e is not None}
+    worst = max(elasticities, key=lambda name: abs(elasticities[name]))
+    verdict = "within" if sensitivity["forecast_clock_within_tolerance"] else "OUTSIDE"
+    return _wrapped(f"{text}; goodput moves {abs(elasticities[worst]):.1f}% per 1% of step time "
+                    f"({policy_label(worst, _LABEL_WIDTH)}), so the target needs the clock within "
+                    f"{100 * tolerance:.1f}%: {verdict}", len(indent) + 2)
 
 
 def _wrapped(line: str, hang: int) -> str:

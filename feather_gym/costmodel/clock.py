@@ -18,6 +18,9 @@ prefill work, or the fit gives a factor that is not positive, one factor is fitt
 (``sum(measured) / sum(predicted)``) and used for both. The per-step mean absolute percentage
 error before and after says how much of the difference the factors explain; what they do not
 (a composition the profile predicts badly) stays. Steps that computed nothing are left out.
+
+:func:`clock_error` says how far a calibrated model is off on other timed steps (a later round,
+another load): their summed measured time over its summed prediction, less one.
 """
 
 from __future__ import annotations
@@ -66,9 +69,10 @@ def _part(cost_model: CostModel, prefill: bool) -> CostModel:
                                              for c, v in cost_model.coefficients.items()})
 
 
-def fit_clock(steps, cost_model: CostModel, *, clock: str = "wall") -> ClockCalibration:
-    """The :class:`ClockCalibration` of ``cost_model`` on timed ``steps`` (``clock``: which of their
-    times, :data:`~.refit.CLOCKS`). ``ValueError`` when no step computed anything."""
+def _timed_parts(steps, cost_model: CostModel, clock: str) -> tuple[np.ndarray, np.ndarray]:
+    """The measured seconds of the ``steps`` that computed something (``clock``: which of their times),
+    and per step ``cost_model``'s predicted seconds of the rest and of the prefill. ``ValueError`` for
+    an unknown clock or no step that computed anything."""
     if clock not in CLOCKS:
         raise ValueError(f"clock must be one of {sorted(CLOCKS)}, got {clock!r}")
     rest, prefill = _part(cost_model, False), _part(cost_model, True)
@@ -76,13 +80,26 @@ def fit_clock(steps, cost_model: CostModel, *, clock: str = "wall") -> ClockCali
             for step in steps if step.decode_requests or step.prefill_chunks]
     if not rows:
         raise ValueError(f"none of the {len(steps)} timed steps computed anything: no clock to calibrate")
-    measured, parts = np.array([row[0] for row in rows]), np.array([row[1:] for row in rows])
+    return np.array([row[0] for row in rows]), np.array([row[1:] for row in rows])
+
+
+def clock_error(steps, cost_model: CostModel, *, clock: str = "wall") -> float:
+    """How much longer the timed ``steps`` took than ``cost_model`` predicts, as a fraction
+    (``0.05``: 5% longer, negative: shorter): summed measured over summed predicted seconds, less one."""
+    measured, parts = _timed_parts(steps, cost_model, clock)
+    return float(measured.sum() / parts.sum() - 1)
+
+
+def fit_clock(steps, cost_model: CostModel, *, clock: str = "wall") -> ClockCalibration:
+    """The :class:`ClockCalibration` of ``cost_model`` on timed ``steps`` (``clock``: which of their
+    times, :data:`~.refit.CLOCKS`). ``ValueError`` when no step computed anything."""
+    measured, parts = _timed_parts(steps, cost_model, clock)
     predicted = parts.sum(axis=1)
     factors = np.linalg.lstsq(parts, measured, rcond=None)[0] if parts[:, 1].any() else np.zeros(2)
     if not (factors > 0).all():
         factors = np.full(2, measured.sum() / predicted.sum())
     after = parts @ factors
-    return ClockCalibration(factor=float(factors[0]), prefill_factor=float(factors[1]), steps=len(rows),
+    return ClockCalibration(factor=float(factors[0]), prefill_factor=float(factors[1]), steps=len(measured),
                             measured_s=float(measured.sum()), predicted_s=float(predicted.sum()),
                             mape_before=float(np.mean(np.abs(predicted - measured) / measured)),
                             mape_after=float(np.mean(np.abs(after - measured) / measured)))
