@@ -143,6 +143,9 @@ def test_the_table_of_a_sweep_of_two_rounds_names_the_check_on_settled_pairs_wit
     text = " ".join(" ".join(lines).split())
     assert "clock: live FCFS steps -3.2% off the forecast's; goodput moves 5.9% per 1% of step time" in text
     assert "the target needs the clock within 1.7%: OUTSIDE" in text
+    report["loads"][0]["clock_sensitivity"] = clock_sensitivity({name: 0.002 for name in sim}, 0.01)  # far below
+    text = " ".join(" ".join(format_live_sweep(report).splitlines()).split())                       # capacity
+    assert "goodput moves 0.0% per 1% of step time" in text and "within more than 100%: within" in text
     assert not more or "another-long-run" in "\n".join(lines)
     assert all(len(line) <= 120 for line in lines)
 

@@ -384,9 +384,10 @@ def _sensitivity_text(sensitivity: dict, indent: str) -> str:
     elasticities = {name: e for name, e in sensitivity["goodput_clock_elasticity"].items() if e is not None}
     worst = max(elasticities, key=lambda name: abs(elasticities[name]))
     verdict = "within" if sensitivity["forecast_clock_within_tolerance"] else "OUTSIDE"
+    limit = f"{100 * tolerance:.1f}%" if tolerance < 1 else "more than 100%"
     return _wrapped(f"{text}; goodput moves {abs(elasticities[worst]):.1f}% per 1% of step time "
                     f"({policy_label(worst, _LABEL_WIDTH)}), so the target needs the clock within "
-                    f"{100 * tolerance:.1f}%: {verdict}", len(indent) + 2)
+                    f"{limit}: {verdict}", len(indent) + 2)
 
 
 def _wrapped(line: str, hang: int) -> str:
