@@ -174,6 +174,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=positive_int, default=None,
                         help=f"timed rounds per scheduler (default {SERVE_ROUNDS}; per load with --loads, default "
                              f"{SWEEP_ROUNDS})")
+    parser.add_argument("--timed-steps", default=None, metavar="DIR",
+                        help="--loads: keep the engine steps timed for the clock (calibration rounds, vLLM's "
+                             "scheduler at each load) in DIR as step logs, for feather profile clock|refit")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="model dtype (default float32: outputs must be token-identical)")
     parser.add_argument("--max-input-tokens", type=positive_int, default=None, help="cut prompts to this many tokens")
@@ -286,8 +289,8 @@ def serve_bench_command(args) -> int:
         return live_sweep_command(args)
     if args.policies is None:
         raise ValueError("--policies is required (or --loads for the load sweep)")
-    if args.profile is not None or args.slo:
-        raise ValueError("--profile and --slo belong to the load sweep: give --loads")
+    if args.profile is not None or args.slo or args.timed_steps is not None:
+        raise ValueError("--profile, --slo and --timed-steps belong to the load sweep: give --loads")
     report = serve_bench(one_policy(args.policies), workloads=parse_workloads(args.workload), dtype=args.dtype,
                          rounds=args.rounds or SERVE_ROUNDS, max_wait_steps=args.max_wait_steps,
                          max_input_tokens=args.max_input_tokens, max_output_tokens=args.max_output_tokens,
@@ -318,7 +321,8 @@ def live_sweep_command(args) -> int:
                         policies=parse_policies(args.policies) if args.policies else DEFAULT_POLICIES,
                         profile=profile, slo=slo, rounds=args.rounds or DEFAULT_ROUNDS, dtype=args.dtype,
                         max_wait_steps=args.max_wait_steps, max_input_tokens=args.max_input_tokens,
-                        max_output_tokens=args.max_output_tokens, kv_cache_gib=args.kv_cache_gib, seed=args.seed)
+                        max_output_tokens=args.max_output_tokens, kv_cache_gib=args.kv_cache_gib, seed=args.seed,
+                        timed_steps_dir=args.timed_steps)
     return print_report(format_live_sweep(report), report, as_json=args.json)
 
 

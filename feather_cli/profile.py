@@ -1,4 +1,4 @@
-"""``feather profile run|fit|analytic|prefill|refit``: profile decode steps, fit and check cost models.
+"""``feather profile run|fit|analytic|prefill|refit|clock``: profile decode steps, fit and check cost models.
 
 ``python -m feather_cli.profile COMMAND ...`` runs the same commands without the other groups, so
 ``run --backend torch`` and ``fit`` need only torch and numpy (how ``scripts/gpu_profile.sh``
@@ -8,6 +8,12 @@ runs on a GPU machine where nothing of this project is installed).
 step-time model to engine steps the Feather scheduler logged live (``additional_config
 ["feather"]["step_log"]``), (with the base profile's rows too with ``--with-base``), and prints the
 error on held-out live steps before (BASE) and after (NEW); see :mod:`feather_gym.costmodel.refit`.
+
+``feather profile clock --from-logs LOG... --profile BASE [--against LOG...] [--json]`` fits the
+two clock factors that rescale BASE to the machine that ran the logged steps, as ``feather bench
+serve --loads`` does (its ``--timed-steps`` logs, or the Feather scheduler's step log), and with
+``--against`` says how far the calibrated and the base model are off on other logged steps; see
+:mod:`feather_gym.costmodel.clock`.
 
 ``feather profile prefill --model hybrid|DIR --backend torch|vllm --lengths 256,512,...
 -o FILE [--json]`` times prefills of fresh prompts from 0 and fits the prefill-time model
@@ -163,8 +169,36 @@ def _refit(args) -> int:
     return 0
 
 
+def _clock(args) -> int:
+    from feather_gym.costmodel import load_cost_model
+    from feather_gym.costmodel.clock import clock_error, fit_clock
+    from feather_gym.costmodel.refit import read_step_logs
+
+    base = load_cost_model(args.profile)
+    steps, skipped = read_step_logs(args.from_logs)
+    if not steps:
+        raise ValueError(f"{' '.join(args.from_logs)}: no step-log records ({skipped} unreadable lines)")
+    calibration = fit_clock(steps, base, clock=args.clock)
+    calibrated = calibration.scale(base)
+    report = {"profile": base.name, "calibrated_profile": calibrated.name, "clock": args.clock,
+              "logged_steps": len(steps), "skipped_lines": skipped, **calibration.as_dict()}
+    print(f"{len(steps)} logged steps ({skipped} unreadable lines), {calibration.steps} that computed something, "
+          f"{args.clock} clock: {calibrated.name}")
+    print(f"  per-step MAPE {calibration.mape_before:.1%} ({base.name}) -> {calibration.mape_after:.1%}")
+    if args.against:
+        other, other_skipped = read_step_logs(args.against)
+        report.update(against_logged_steps=len(other), against_skipped_lines=other_skipped,
+                      against_clock_error_fraction=clock_error(other, calibrated, clock=args.clock),
+                      against_base_clock_error_fraction=clock_error(other, base, clock=args.clock))
+        print(f"  on {len(other)} other logged steps: {report['against_clock_error_fraction']:+.1%} longer than "
+              f"{calibrated.name} predicts, {report['against_base_clock_error_fraction']:+.1%} than {base.name}")
+    if args.json:
+        print(json.dumps(report))
+    return 0
+
+
 def register(tree) -> None:
-    """Add ``feather profile run|fit|analytic|prefill|refit``."""
+    """Add ``feather profile run|fit|analytic|prefill|refit|clock``."""
     profile = tree.group("profile")
     run = profile.add_parser("run", help="measure decode/prefill/mixed step times over a grid of step compositions")
     run.add_argument("--backend", choices=("torch", "vllm"), default="torch")
@@ -228,6 +262,19 @@ def register(tree) -> None:
     refit.add_argument("--name", default=None, help="name of the new profile (default: BASE-refit)")
     add_json(refit)
     refit.set_defaults(func=_refit)
+    clock = profile.add_parser("clock", help="fit the clock factors that rescale a profile to logged steps' machine")
+    clock.add_argument("--from-logs", nargs="+", required=True, metavar="LOG",
+                       help="step-log JSONL files to fit on (feather bench serve --loads --timed-steps, or the "
+                            "Feather scheduler's step log)")
+    clock.add_argument("--profile", required=True, help="base profile file or shipped name")
+    clock.add_argument("--against", nargs="+", default=None, metavar="LOG",
+                       help="step logs of other steps (a later load, another day): how far the calibrated and the "
+                            "base model are off on them, as the summed measured over summed predicted time less one")
+    clock.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                       help="fit the steps' wall time (default, as the live sweep does) or the engine thread's "
+                            "CPU time")
+    add_json(clock)
+    clock.set_defaults(func=_clock)
 
 
 if __name__ == "__main__":

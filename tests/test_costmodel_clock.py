@@ -125,3 +125,47 @@ def test_fit_clock_refuses_steps_without_work_and_an_unknown_clock():
         fit_clock(nothing, base)
     with pytest.raises(ValueError, match="clock must be one of"):
         fit_clock(timed(base, [1.0] * 5), base, clock="gpu")
+
+
+def test_timed_steps_written_as_a_step_log_read_back_equal(tmp_path):
+    from feather_gym.costmodel.refit import read_step_logs, write_step_log
+
+    steps = timed(load_cost_model("vllm-cpu"), [1.0, 1.1, 0.9, 1.3, 0.7], extra=[NOTHING])
+    write_step_log(tmp_path / "steps.jsonl", steps)
+    assert read_step_logs([tmp_path / "steps.jsonl"]) == (steps, 0)
+    write_step_log(tmp_path / "steps.jsonl", steps[:2])               # a file written again holds only its steps
+    assert read_step_logs([tmp_path / "steps.jsonl"]) == (steps[:2], 0)
+
+
+def test_feather_profile_clock_fits_logged_steps_and_says_how_far_off_it_is_on_others(tmp_path, capsys):
+    import json
+
+    from feather_cli.main import main
+    from feather_gym.costmodel.refit import write_step_log
+
+    base = load_cost_model("vllm-cpu")
+    today, later = base.scaled(1.2, prefill_factor=0.7), base.scaled(1.32, prefill_factor=0.77)
+    write_step_log(tmp_path / "calibration.jsonl", timed(today, [1.0] * len(COMPOSITIONS), extra=[NOTHING]))
+    (tmp_path / "later.jsonl").write_text("not a step\n")
+    write_step_log(tmp_path / "later.1.jsonl", timed(later, [1.0] * len(COMPOSITIONS)))
+    assert main(["profile", "clock", "--from-logs", str(tmp_path / "calibration.jsonl"), "--profile", "vllm-cpu",
+                 "--against", str(tmp_path / "later.jsonl"), str(tmp_path / "later.1.jsonl"), "--json"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    report = json.loads(lines[-1])
+    assert (report["clock_factor"], report["clock_prefill_factor"]) == (pytest.approx(1.2), pytest.approx(0.7))
+    assert report["calibrated_profile"] == "vllm-cpu@x1.2/prefill x0.7" and report["clock"] == "wall"
+    assert (report["logged_steps"], report["calibration_steps"], report["skipped_lines"]) == (6, 5, 0)
+    assert report["calibration_mape_after"] == pytest.approx(0.0, abs=1e-9)
+    assert (report["against_logged_steps"], report["against_skipped_lines"]) == (5, 1)
+    assert report["against_clock_error_fraction"] == pytest.approx(0.1)           # 10% slower than calibrated
+    assert report["against_base_clock_error_fraction"] == pytest.approx(
+        clock_error(timed(later, [1.0] * len(COMPOSITIONS)), base))
+    assert "+10.0% longer than vllm-cpu@x1.2/prefill x0.7 predicts" in " ".join(lines[:-1])
+
+
+def test_feather_profile_clock_refuses_a_log_without_records_naming_it(tmp_path, capsys):
+    from feather_cli.main import main
+
+    (tmp_path / "cut.jsonl").write_text('{"step": 1, "time_unix_s"\n')
+    assert main(["profile", "clock", "--from-logs", str(tmp_path / "cut.jsonl"), "--profile", "vllm-cpu"]) == 2
+    assert f"{tmp_path / 'cut.jsonl'}: no step-log records (1 unreadable lines)" in capsys.readouterr().err

@@ -153,6 +153,7 @@ def test_the_table_of_a_sweep_of_two_rounds_names_the_check_on_settled_pairs_wit
 @pytest.mark.parametrize("argv, message", [
     (["bench", "serve"], "--policies is required"),
     (["bench", "serve", "--policies", "feather-rule", "--slo", "ttft=1s"], "give --loads"),
+    (["bench", "serve", "--policies", "feather-rule", "--timed-steps", "steps"], "give --loads"),
     (["bench", "serve", "--loads", "0.9", "--all-at-once"], "no --all-at-once"),
     (["bench", "serve", "--loads", "0.9", "--workload", "no-sharing", "--workload", "prefix-groups"], "one workload"),
     (["bench", "serve", "--loads", "0.9", "--slo", "ttft=fast"], "SLO item"),
@@ -205,13 +206,13 @@ def test_the_clock_records_busy_step_cycles_and_not_an_idle_wait_before_the_next
 
 
 @pytest.mark.live
-def test_a_small_live_sweep_reports_every_figure_and_every_request_finishes(capsys):
+def test_a_small_live_sweep_reports_every_figure_and_every_request_finishes(capsys, tmp_path):
     pytest.importorskip("vllm")
     from feather_cli.main import main
 
     loads, rounds = (0.8, 1.2), 1
     assert main(["bench", "serve", "--loads", ",".join(map(str, loads)), "--workload", f"small={WORKLOAD}",
-                 "--rounds", str(rounds), "--json"]) == 0
+                 "--rounds", str(rounds), "--timed-steps", str(tmp_path / "steps"), "--json"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     report = json.loads(lines[-1])
     assert sum("goodput ranking sim" in line for line in lines[:-1]) == len(loads)
@@ -284,6 +285,26 @@ def test_a_small_live_sweep_reports_every_figure_and_every_request_finishes(caps
     for key in ("same_ranking", "meets_live_target"):
         assert report[f"loads_{key}"] == sum(entry[key] for entry in report["loads"])
         assert report[f"loads_{key}_at_load_clock"] == sum(entry["at_load_clock"][key] for entry in report["loads"])
+    # The timed steps kept: fitting them again gives the report's clocks, and the calibration's clock
+    # on the first load's steps is off by that load's forecast clock error.
+    assert report["timed_step_logs"] == [str(tmp_path / "steps" / f"{name}.jsonl") for name in (
+        "calibration-all-at-once", "calibration-online", "load-0.8-fcfs", "load-1.2-fcfs")]
+    capsys.readouterr()
+    fits = {}
+    for log in report["timed_step_logs"]:
+        argv = ["profile", "clock", "--from-logs", log, "--profile", "vllm-cpu", "--json"]
+        assert main(argv + (["--against", report["timed_step_logs"][2]] if "online" in log else [])) == 0
+        fits[log] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    burst, calibration, *at_loads = fits.values()
+    assert (burst["clock_factor"], burst["clock_prefill_factor"]) == pytest.approx(
+        (report["burst_clock_factor"], report["burst_clock_prefill_factor"]), rel=1e-9)
+    assert {key: calibration[key] for key in ("clock_factor", "clock_prefill_factor", "calibration_steps")} == (
+        pytest.approx({key: report[key] for key in ("clock_factor", "clock_prefill_factor", "calibration_steps")},
+                      rel=1e-9))
+    assert calibration["against_clock_error_fraction"] == pytest.approx(
+        report["loads"][0]["clock_sensitivity"]["forecast_clock_error_fraction"], rel=1e-9)
+    for fit, entry in zip(at_loads, report["loads"]):
+        assert {key: fit[key] for key in entry["load_clock"]} == pytest.approx(entry["load_clock"], rel=1e-9)
 
 
 def test_rounds_whose_goodputs_differ_past_any_rounding_keep_their_order():

@@ -11,8 +11,10 @@ engine had no unfinished request is not recorded: the driver may sleep until the
 before the next ``schedule()``, and that idle wait is no step's time. Nor is the last step,
 which no ``schedule()`` follows.
 
-:func:`calibrate_clock` serves a trace once with it, every request at once or online (each at
-its arrival time), and fits the cost model's clock factors on the recorded steps.
+:func:`time_engine_steps` serves a trace once with it, every request at once or online (each at
+its arrival time); :func:`~feather_gym.costmodel.clock.fit_clock` fits a cost model's clock
+factors on the steps it returns (the engine should have served such batches before: a first
+batch shape compiles kernels).
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 from deploy.engine_rounds import run_round
 from deploy.step_log import step_composition
-from feather_gym.costmodel.clock import ClockCalibration, fit_clock
 from feather_gym.costmodel.refit import LiveStep
 
 
@@ -64,9 +65,3 @@ def time_engine_steps(llm, trace, *, online: bool = False) -> list[LiveStep]:
         raise RuntimeError(f"clock calibration: {result.lost} of {len(trace)} requests did not finish")
     return steps
 
-
-def calibrate_clock(llm, trace, cost_model, *, online: bool = False) -> ClockCalibration:
-    """:func:`~feather_gym.costmodel.clock.fit_clock` of ``cost_model`` on the wall times of
-    :func:`time_engine_steps` (the engine should have served such batches before: a first
-    batch shape compiles kernels)."""
-    return fit_clock(time_engine_steps(llm, trace, online=online), cost_model, clock="wall")

@@ -8,8 +8,9 @@ engine, each load's figures beside the simulator's on the same requests and arri
    budget, ``max_num_seqs``, the admission's waiting bound). Every side serves the workload once,
    all requests at once, untimed (the engine compiles kernels for each new batch shape).
 2. **Clock.** Rounds with vLLM's scheduler time their engine steps and rescale the profile's
-   clock to this machine today (:func:`deploy.bench.clock.calibrate_clock`: a factor for the
-   prefill terms and one for the rest). A first round serves every request at once; its factors
+   clock to this machine today (:func:`deploy.bench.clock.time_engine_steps`, then
+   :func:`~feather_gym.costmodel.clock.fit_clock`: a factor for the prefill terms and one for the
+   rest). A first round serves every request at once; its factors
    give a first capacity. A second round serves the workload online at :data:`CALIBRATION_LOAD`
    of that capacity, and the factors fitted on its steps are the ones used: the steps of a loaded
    service (many, small) are the ones the loads below run, and the profile's per-step error
@@ -47,6 +48,13 @@ engine, each load's figures beside the simulator's on the same requests and arri
    error exceeds the tolerance, the forecast cannot be expected to meet the target whatever the
    simulator's scheduling (``forecast_clock_within_tolerance`` false).
 
+With ``timed_steps_dir``, every timed round's steps are kept there as step logs
+(:func:`~feather_gym.costmodel.refit.write_step_log`), one file each: ``calibration-all-at-once.jsonl``,
+``calibration-online.jsonl`` and ``load-<load>-fcfs.jsonl`` (both rounds of vLLM's scheduler at
+that load; ``-2``, ``-3`` added for a load given again), listed in the report's
+``timed_step_logs``. ``feather profile clock --from-logs`` fits the same clock on them (and says
+how it forecasts other logged steps), ``feather profile refit --from-logs`` the whole profile.
+
 A load meets the live target (``meets_live_target``) when its rankings agree and every policy's
 goodput is within :data:`GOODPUT_TOLERANCE` of the simulated one.
 
@@ -70,6 +78,7 @@ import logging
 import os
 import textwrap
 import time
+from collections import Counter
 
 from deploy.engine_rounds import DEFAULT_ROUND_TIMEOUT_S
 from feather_gym.policies import DEFAULT_MAX_WAIT_STEPS
@@ -199,17 +208,19 @@ def live_sweep(workload: str = DEFAULT_WORKLOAD, *, label: str | None = None, lo
                dtype: str = "float32", max_wait_steps: int = DEFAULT_MAX_WAIT_STEPS,
                max_input_tokens: int | None = None, max_output_tokens: int | None = None,
                kv_cache_gib: float | None = None, seed: int = 0,
-               timeout_s: float = DEFAULT_ROUND_TIMEOUT_S) -> dict:
+               timeout_s: float = DEFAULT_ROUND_TIMEOUT_S, timed_steps_dir: str | os.PathLike | None = None) -> dict:
     """The whole report (see the module docstring) of the workload spec ``workload`` (``label``: its
     name in the table, by default its :func:`~traces.workload.workload_label`). ``policies``: the
     Feather policies beside ``fcfs`` (vLLM's scheduler, always first); ``slo``: a
-    :class:`feather_gym.slo.SLO`, by default the profile device's (:data:`feather_gym.slo.DEFAULT_SLOS`)."""
-    from deploy.bench.clock import StepTimedScheduler, calibrate_clock
+    :class:`feather_gym.slo.SLO`, by default the profile device's (:data:`feather_gym.slo.DEFAULT_SLOS`);
+    ``timed_steps_dir``: a folder (created) to keep the timed steps in (see the module docstring)."""
+    from deploy.bench.clock import StepTimedScheduler, time_engine_steps
     from deploy.bench.harness import DEFAULT_BENCH_KV_CACHE_GIB, clip_lengths, run_schedulers
     from deploy.bench.validate import as_deployed, as_served, live_sides, simulated_engine
     from deploy.engine_rounds import kv_capacity, run_round
     from feather_gym.costmodel import hardware_profile, load_cost_model
     from feather_gym.costmodel.clock import clock_error, fit_clock
+    from feather_gym.costmodel.refit import write_step_log
     from feather_gym.load import at_load, check_load, find_capacity
     from feather_gym.simulator import trace_digests
     from feather_gym.slo import DEFAULT_SLOS
@@ -226,6 +237,21 @@ def live_sweep(workload: str = DEFAULT_WORKLOAD, *, label: str | None = None, lo
     for name in names:                       # refuse a bad policy before the engine starts
         as_deployed(name)
     base = load_cost_model(profile or hardware_profile())
+    step_logs: list[str] = []
+    kept: Counter = Counter()
+    if timed_steps_dir is not None:
+        os.makedirs(timed_steps_dir, exist_ok=True)
+
+    def fitted(steps: list, name: str):
+        """The clock fitted on ``steps``, kept as ``name``.jsonl when steps are kept (``name-2``... for
+        a name already kept: a load given twice)."""
+        if timed_steps_dir is not None:
+            kept[name] += 1
+            step_logs.append(os.path.join(timed_steps_dir, f"{name}-{kept[name]}.jsonl" if kept[name] > 1
+                                          else f"{name}.jsonl"))
+            write_step_log(step_logs[-1], steps)
+        return fit_clock(steps, base, clock="wall")
+
     slo = slo or DEFAULT_SLOS[base.device]
     started, load_start = time.perf_counter(), os.getloadavg()[0]
     trace = as_served(clip_lengths(resolve_workload(workload, seed=seed), max_input_tokens=max_input_tokens,
@@ -237,9 +263,10 @@ def live_sweep(workload: str = DEFAULT_WORKLOAD, *, label: str | None = None, lo
     sides = live_sides(names, max_wait_steps=max_wait_steps)
     for side, (cls, kwargs) in sides.items():
         run_round(llm, trace, cls, label=f"warm-up {side}", round_index=-1, online=False, **kwargs)
-    burst = calibrate_clock(llm, trace, base)
+    burst = fitted(time_engine_steps(llm, trace), "calibration-all-at-once")
     first = find_capacity(trace, burst.scale(base), engine_config)
-    calibration = calibrate_clock(llm, at_rate(trace, first.rate_factor * CALIBRATION_LOAD), base, online=True)
+    calibration = fitted(time_engine_steps(llm, at_rate(trace, first.rate_factor * CALIBRATION_LOAD), online=True),
+                         "calibration-online")
     cost_model = calibration.scale(base)
     logger.info("clock factors %.4f, prefill %.4f on %d online steps (all at once: %.4f, prefill %.4f)",
                 calibration.factor, calibration.prefill_factor, calibration.steps, burst.factor, burst.prefill_factor)
@@ -274,7 +301,7 @@ def live_sweep(workload: str = DEFAULT_WORKLOAD, *, label: str | None = None, lo
         live = run_schedulers(llm, loaded, timed, rounds=rounds, online=True, warm_up=False, rotation=k, slo=slo,
                               timeout_s=timeout_s)
         sensitivity = clock_sensitivity(elasticities, clock_error(fcfs_steps, cost_model))
-        clock = fit_clock(fcfs_steps, base, clock="wall")
+        clock = fitted(fcfs_steps, f"load-{load:g}-fcfs")
         cost_model = clock.scale(base)
         refit = simulate_policies(loaded, cost_model, names, slo=slo, config=engine_config, digests=digests,
                                   policy_factory=as_deployed)
@@ -290,6 +317,7 @@ def live_sweep(workload: str = DEFAULT_WORKLOAD, *, label: str | None = None, lo
         report[f"loads_{key}_at_load_clock"] = sum(bool(entry["at_load_clock"][key]) for entry in report["loads"])
     report["loads_forecast_clock_within_tolerance"] = sum(entry["clock_sensitivity"]["forecast_clock_within_tolerance"]
                                                           for entry in report["loads"])
+    report["timed_step_logs"] = step_logs
     report["load_average_1min_start"], report["load_average_1min_end"] = load_start, os.getloadavg()[0]
     report["wall_s"] = round(time.perf_counter() - started, 1)
     return report

@@ -115,6 +115,13 @@ def _as_list(value):
     raise TypeError(f"{type(value).__name__} is not JSON serialisable")
 
 
+def write_step_log(path, steps) -> None:
+    """Write ``steps`` to ``path`` as a step log, one :meth:`LiveStep.to_json` line each (what the
+    Feather scheduler's log writes); :func:`read_step_logs` reads them back equal."""
+    with open(path, "w") as file:
+        file.writelines(step.to_json() + "\n" for step in steps)
+
+
 def read_step_logs(paths) -> tuple[list[LiveStep], int]:
     """The :class:`LiveStep` records of JSONL files, in time order, and the count of lines that
     are not records (a line cut by a full disk, another schema); ``OSError`` for an unreadable file."""
