@@ -49,9 +49,12 @@ Divergences from vLLM 0.32 that remain (effects measured with ``feather sim vali
 * Output blocks are registered when the next block is allocated (vLLM: when they fill), and a
   decoder's blocks are allocated one token late at most; neither affects other requests.
 * Step times are the cost model's: per-step noise and the engine's own overheads beyond its
-  fitted terms are not simulated. No admission rule and no feature reads them (the waiting-time
-  bound and ``oldest_wait_steps`` count engine steps), so they change only when a request that
-  arrives while the engine runs joins the queue (online submission).
+  fitted terms are not simulated, unless ``step_factors`` are given: then engine step ``k``
+  (from 1) takes ``step_factors[(k - 1) % len(step_factors)]`` times the cost model's time (a
+  timed run's per-step errors replayed, :func:`~feather_gym.costmodel.clock.step_factors`). No
+  admission rule and no feature reads step times (the waiting-time bound and
+  ``oldest_wait_steps`` count engine steps), so they change only when a request that arrives
+  while the engine runs joins the queue (online submission).
 
 Decoding requests are not touched per step: a request decoding since step ``s0`` with ``o0``
 tokens has emitted ``o0 + (k - s0)`` before step ``k``, and its finish and block-boundary
@@ -264,14 +267,20 @@ class Simulator:
     ``oldest_wait_steps``, ``context_tokens``, ``resident_blocks``, ``resumable_blocks``) and
     :meth:`wait_steps`. Public read-only state used by orderings and observations: ``now_s``,
     ``step``, ``cht``, ``kv``, ``running`` (dict, admission order), ``digest_lists`` (prompt digests),
-    ``group_of``; counter ``tokens_out``.
+    ``group_of``; counter ``tokens_out``. ``step_factors`` (positive, at least one) multiply the
+    engine steps' times in turn (module docstring); None: the cost model's times.
     """
 
     def __init__(self, trace: Trace, cost_model: CostModel, order: WaitingOrder, *,
                  config: EngineConfig = EngineConfig(), digests: list[np.ndarray] | None = None,
-                 num_candidates: int = DEFAULT_NUM_CANDIDATES) -> None:
+                 num_candidates: int = DEFAULT_NUM_CANDIDATES, step_factors: np.ndarray | None = None) -> None:
         self.trace, self.cost_model, self.order = trace, cost_model, order
         self.num_candidates = num_candidates
+        if step_factors is not None:
+            step_factors = np.asarray(step_factors, dtype=np.float64)
+            if step_factors.ndim != 1 or not len(step_factors) or not np.all(step_factors > 0):
+                raise ValueError("step_factors: one positive factor per step, at least one")
+        self.step_factors = step_factors
         config = self.config = config.resolve(cost_model)
         bs = self.block_size = config.block_size
         self.kv = PrefixKVCache(config.kv_blocks)
@@ -341,7 +350,7 @@ class Simulator:
         digests and the per-request lists derived from the trace. Copies of a simulator mid-run
         (:meth:`fork`, ``BatchFormationEnv.fork``) share these and copy the rest."""
         return (self.trace, self.cost_model, self.config, self.digests, self.digest_lists, self.group_of,
-                self._input_len, self._output_len, self._arrivals)
+                self._input_len, self._output_len, self._arrivals, self.step_factors)
 
     def fork(self, output_len: np.ndarray | None = None) -> Simulator:
         """An independent copy of this run as it stands (a pending decision included): running
@@ -603,7 +612,10 @@ class Simulator:
         batch = (DecodeBatch(self._decode_count, self._decode_kv, self._decode_unique(),
                              len(self._decode_groups) + self._decode_ungrouped)
                  if self._decode_count else _NO_DECODE)
-        self.now_s += self._step_time(batch, chunks)
+        seconds = self._step_time(batch, chunks)
+        if self.step_factors is not None:
+            seconds *= self.step_factors[(self.step - 1) % len(self.step_factors)]
+        self.now_s += seconds
         self.tokens_out += self._decode_count
         self._decode_kv += self._decode_count
         finishing = []                      # requests this step gives their last token
@@ -662,6 +674,8 @@ class Simulator:
             times = probe[0] + (probe[1] - probe[0]) * np.arange(steps)
         else:
             times = np.array(probe + [step_time(i) for i in range(3, steps)])
+        if self.step_factors is not None:   # step self.step + 1 + i: factor (self.step + i) mod len
+            times = times * self.step_factors[(self.step + np.arange(steps)) % len(self.step_factors)]
         if self._next_arrival < len(self._arrivals):
             gap = self._arrivals[self._next_arrival] - self.now_s
             starts = np.concatenate(([0.0], np.cumsum(times[:-1])))
@@ -824,11 +838,12 @@ class Simulator:
 
 
 def simulate(trace: Trace, cost_model: CostModel, policy, *, config: EngineConfig = EngineConfig(),
-             digests: list[np.ndarray] | None = None) -> SimResult:
-    """Run ``trace`` to completion under ``policy`` (a :class:`feather_gym.policies.Policy`)."""
+             digests: list[np.ndarray] | None = None, step_factors: np.ndarray | None = None) -> SimResult:
+    """Run ``trace`` to completion under ``policy`` (a :class:`feather_gym.policies.Policy`;
+    ``step_factors`` as :class:`Simulator`'s)."""
     policy.reset()
     sim = Simulator(trace, cost_model, policy.make_order(), config=config, digests=digests,
-                    num_candidates=policy.num_candidates)
+                    num_candidates=policy.num_candidates, step_factors=step_factors)
     while (point := sim.next_admission()) is not None:
         sim.apply(policy.decide(point))
     return sim.result()

@@ -52,16 +52,17 @@ def load_sweep(trace, cost_model, policy_names: list[str], loads: list[float], *
 
 
 def simulate_policies(trace, cost_model, policy_names: list[str], *, slo: SLO, config=None, digests=None,
-                      policy_factory=None) -> list[dict]:
+                      policy_factory=None, step_factors=None) -> list[dict]:
     """One row per policy of ``trace`` served as it arrives: ``SimResult.metrics()`` and
-    :func:`latency_and_goodput` (``policy_factory`` as in :func:`load_sweep`)."""
+    :func:`latency_and_goodput` (``policy_factory`` as in :func:`load_sweep`; ``step_factors`` as
+    :class:`~feather_gym.simulator.Simulator`'s)."""
     from feather_gym.policies import make_policy
     from feather_gym.simulator import EngineConfig, simulate
 
     rows = []
     for name in policy_names:
         result = simulate(trace, cost_model, (policy_factory or make_policy)(name), config=config or EngineConfig(),
-                          digests=digests)
+                          digests=digests, step_factors=step_factors)
         metrics = result.metrics()
         rows.append({"policy": name, **metrics, **latency_and_goodput(result, slo, metrics["makespan_s"])})
     return rows

@@ -3,10 +3,11 @@ live steps, and the scaled cost model they give (no engine: the steps are made h
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from feather_gym.costmodel import DecodeBatch, load_cost_model
-from feather_gym.costmodel.clock import clock_error, fit_clock, predicted_step_s
+from feather_gym.costmodel.clock import clock_error, fit_clock, predicted_step_s, step_factors
 from feather_gym.costmodel.features import PREFILL_COLUMNS
 from feather_gym.costmodel.refit import LiveStep
 
@@ -116,6 +117,17 @@ def test_the_clock_error_of_a_model_is_how_much_longer_the_steps_took_than_it_pr
     assert clock_error(timed(base, [1.0] * 5), base, clock="cpu") == pytest.approx(-0.5)   # the CPU clock's times
     with pytest.raises(ValueError, match="no clock to calibrate"):
         clock_error(timed(base, [], extra=[NOTHING]), base)
+
+
+def test_step_factors_are_each_steps_error_in_order_scaled_to_a_mean_of_one():
+    base = load_cost_model("vllm-cpu")
+    errors = [1.1, 0.8, 1.5, 1.0, 1.1]
+    steps = timed(base.scaled(2.0), errors, extra=[NOTHING])       # a step with no work is left out
+    factors = step_factors(steps, base)
+    np.testing.assert_allclose(factors, np.array(errors) / np.mean(errors), rtol=1e-12)
+    np.testing.assert_allclose(step_factors(steps, base.scaled(2.0)), factors, rtol=1e-12)   # the clock's mean apart
+    with pytest.raises(ValueError, match="computed anything"):
+        step_factors(timed(base, [], extra=[NOTHING]), base)
 
 
 def test_fit_clock_refuses_steps_without_work_and_an_unknown_clock():

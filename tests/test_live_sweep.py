@@ -14,11 +14,14 @@ import pytest
 
 from deploy.bench.live_sweep import (
     FIGURES,
+    GOODPUT_TOLERANCE,
+    SPREAD_DRAWS,
     clock_sensitivity,
     clock_tolerance,
     compare_load,
     format_live_sweep,
     goodput_clock_elasticity,
+    spread_verdict,
 )
 
 #: Eight requests in two prefix groups, Poisson arrivals (the load rescales their rate).
@@ -129,25 +132,82 @@ def test_the_table_of_a_sweep_of_two_rounds_names_the_check_on_settled_pairs_wit
         name: live_side(g, [g, g]) for name, g in more.items()}
     compared = compare_load(sim, live)
     clock = {"clock_factor": 1.0, "clock_prefill_factor": 1.0, "calibration_steps": 100}
+    band = {n: [0.7, 1.2] if n == "fcfs" else [1.9, 2.1] for n in sim}
+    spread = spread_verdict({"draws": 20, "rounds_per_draw": 2, "goodput_median_req_s": {n: 1.0 for n in sim},
+                             "goodput_band_req_s": band}, compared)
     report = {"workload": "small", "requests": 12, "rounds": 2, "slo_ttft_s": 10.0, "slo_tpot_s": 0.5, "wall_s": 60.0,
               "profile": "vllm-cpu", **clock, "calibration_load": 1.0, "calibration_measured_s": 10.0,
               "calibration_predicted_s": 11.0, "calibration_mape_before": 0.2, "calibration_mape_after": 0.05,
               "burst_clock_factor": 1.0, "burst_clock_prefill_factor": 1.0, "burst_capacity_requests_per_s": 1.5,
-              "capacity_requests_per_s": 1.5, "capacity_simulations": 8,
+              "step_factors": 100, "step_factor_cv": 0.18, "capacity_requests_per_s": 1.5, "capacity_simulations": 8,
               "loads": [{"load": 0.9, "arrival_rate_req_s": 1.35, "capacity_requests_per_s": 1.5, **compared,
                          "clock_sensitivity": clock_sensitivity({name: 5.9 for name in sim}, -0.032),
-                         "load_clock": clock, "at_load_clock": compared}]}
+                         "forecast_spread": spread, "load_clock": clock, "at_load_clock": compared}]}
     lines = format_live_sweep(report).splitlines()
     assert sum("on the pairs every live round orders alike (" in line for line in lines) == 2
     assert sum("target" in line for line in lines) == 3
     text = " ".join(" ".join(lines).split())
     assert "clock: live FCFS steps -3.2% off the forecast's; goodput moves 5.9% per 1% of step time" in text
     assert "the target needs the clock within 1.7%: OUTSIDE" in text
+    assert "100 factors, mean 1, standard deviation 18%" in text
+    assert ("spread: goodput 5-95% of 20 draws of 2 rounds with the steps' own errors: "
+            "fcfs 0.700-1.200 (live 1.000 in)") in text
+    assert "feather-rule 1.900-2.100 (live 2.000 in)" in text and "wider than 10% of the forecast for fcfs" in text
     report["loads"][0]["clock_sensitivity"] = clock_sensitivity({name: 0.002 for name in sim}, 0.01)  # far below
     text = " ".join(" ".join(format_live_sweep(report).splitlines()).split())                       # capacity
     assert "goodput moves 0.0% per 1% of step time" in text and "within more than 100%: within" in text
     assert not more or "another-long-run" in "\n".join(lines)
     assert all(len(line) <= 120 for line in lines)
+
+
+def test_the_forecast_band_says_whether_live_lies_in_it_and_whether_it_fits_the_target():
+    compared = compare_load({"fcfs": sim_row(1.0, "fcfs"), "feather-rule": sim_row(2.0), "dfs": sim_row(2.0, "dfs")},
+                            {"fcfs": live_side(1.25), "feather-rule": live_side(2.1), "dfs": live_side(1.79)})
+    band = {"fcfs": [0.8, 1.3], "feather-rule": [1.8, 2.2], "dfs": [1.8, 2.21]}
+    spread = spread_verdict({"draws": 20, "rounds_per_draw": 1, "goodput_band_req_s": band,
+                             "goodput_median_req_s": {n: 1.0 for n in band}}, compared)
+    assert spread["goodput_band_req_s"] == band and spread["draws"] == 20
+    assert spread["live_within_band"] == {"fcfs": True, "feather-rule": True, "dfs": False}
+    # The rule's band is ±10% of its forecast, to the edge; FCFS's and DFS's reach past it.
+    assert spread["band_within_tolerance"] == {"fcfs": False, "feather-rule": True, "dfs": False}
+    assert GOODPUT_TOLERANCE == 0.1
+
+
+def test_the_forecast_spread_of_steps_without_error_is_the_forecast_and_errors_widen_it():
+    pytest.importorskip("vllm")
+    from deploy.bench.live_sweep import forecast_spread
+    from deploy.bench.validate import as_deployed
+    from feather_gym.costmodel import load_cost_model
+    from feather_gym.load import at_load, find_capacity
+    from feather_gym.simulator import EngineConfig, trace_digests
+    from feather_gym.slo import SLO
+    from feather_gym.sweep import simulate_policies
+    from traces import resolve_workload
+
+    base, config, slo = load_cost_model("vllm-cpu"), EngineConfig(kv_capacity_tokens=1536), SLO(ttft_s=2.0, tpot_s=0.2)
+    trace = resolve_workload(WORKLOAD.replace("num_requests=8", "num_requests=24"), seed=0)
+    digests = trace_digests(trace, base.block_size)
+    loaded = at_load(trace, find_capacity(trace, base, config, digests=digests), 1.1)
+    names = ["fcfs", "feather-rule"]
+    common = {"rounds": 2, "slo": slo, "config": config, "digests": digests}
+
+    def spread(factors, seed=0):
+        return forecast_spread(loaded, base, names, factors, rng=np.random.default_rng(seed), **common)
+
+    forecast = {row["policy"]: row["goodput_req_s"] for row in simulate_policies(
+        loaded, base, names, slo=slo, config=config, digests=digests, policy_factory=as_deployed)}
+    flat = spread(np.ones(40))
+    assert (flat["draws"], flat["rounds_per_draw"]) == (SPREAD_DRAWS, 2)
+    for name in names:
+        assert flat["goodput_band_req_s"][name] == pytest.approx([forecast[name]] * 2, rel=1e-12)
+        assert flat["goodput_median_req_s"][name] == pytest.approx(forecast[name], rel=1e-12)
+    factors = np.exp(0.4 * np.random.default_rng(1).standard_normal(40))
+    noisy = spread(factors / factors.mean())
+    assert noisy == spread(factors / factors.mean())                              # seeded: the same draws
+    for name in names:
+        low, high = noisy["goodput_band_req_s"][name]
+        assert low <= noisy["goodput_median_req_s"][name] <= high
+    assert any(high > low for low, high in noisy["goodput_band_req_s"].values())
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -282,6 +342,17 @@ def test_a_small_live_sweep_reports_every_figure_and_every_request_finishes(caps
             tolerance is None or abs(sensitivity["forecast_clock_error_fraction"]) <= tolerance)
     assert report["loads_forecast_clock_within_tolerance"] == sum(
         entry["clock_sensitivity"]["forecast_clock_within_tolerance"] for entry in report["loads"])
+    # The spread replays the calibration's own steps: one factor per step its clock was fitted on.
+    assert report["step_factors"] == report["calibration_steps"] and report["step_factor_cv"] > 0
+    for entry in report["loads"]:
+        spread = entry["forecast_spread"]
+        assert (spread["draws"], spread["rounds_per_draw"]) == (SPREAD_DRAWS, rounds)
+        for name in report["policies"]:
+            low, high = spread["goodput_band_req_s"][name]
+            assert low <= spread["goodput_median_req_s"][name] <= high
+            assert spread["live_within_band"][name] == (low <= entry["policies"][name]["live"]["goodput_req_s"] <= high)
+    assert report["loads_live_within_forecast_band"] == sum(
+        all(entry["forecast_spread"]["live_within_band"].values()) for entry in report["loads"])
     for key in ("same_ranking", "meets_live_target"):
         assert report[f"loads_{key}"] == sum(entry[key] for entry in report["loads"])
         assert report[f"loads_{key}_at_load_clock"] == sum(entry["at_load_clock"][key] for entry in report["loads"])

@@ -1,6 +1,7 @@
 """The serving simulator and its prefix-cached KV pool: invariants, determinism, CLI."""
 
 import copy
+import dataclasses
 import json
 
 import numpy as np
@@ -208,6 +209,56 @@ def test_step_times_come_from_the_cost_model(h200):
     assert result.first_token_s[0] == pytest.approx(h200.prefill_s(1000, 0))
     assert result.num_steps == 4
     assert result.finish_s[0] > result.first_token_s[0]
+
+
+def burst(trace: Trace) -> Trace:
+    """``trace`` with every request arriving at time 0."""
+    return Trace(trace.name, [dataclasses.replace(r, arrival_s=0.0) for r in trace], trace.source, trace.block_size)
+
+
+def test_step_factors_of_one_change_nothing_and_a_constant_factor_scales_every_time(h200):
+    trace = small_trace(seed=1)
+    plain = simulate(trace, h200, make_policy("feather-rule"), config=engine())
+    ones = simulate(trace, h200, make_policy("feather-rule"), config=engine(), step_factors=np.ones(5))
+    for field in ("first_scheduled_s", "first_token_s", "finish_s"):
+        np.testing.assert_array_equal(getattr(plain, field), getattr(ones, field))
+    # With every request queued at 0 the same steps run, each twice as long.
+    doubled, base = (simulate(burst(trace), h200, make_policy("feather-rule"), config=engine(),
+                              step_factors=factors) for factors in (np.full(3, 2.0), None))
+    assert doubled.num_steps == base.num_steps
+    np.testing.assert_allclose(doubled.finish_s, 2 * base.finish_s, rtol=1e-12)
+    np.testing.assert_allclose(doubled.first_token_s, 2 * base.first_token_s, rtol=1e-12)
+
+
+def test_step_factors_follow_the_engine_step_also_across_jumped_decode_steps(h200, monkeypatch):
+    """Step ``k`` takes factor ``(k - 1) mod n``: the same times whether the decode-only steps are
+    jumped over in one go or run one by one."""
+    trace = Trace("one", [request(0, 0.0, tokens(0, 1000), 40)])
+    lone = simulate(trace, h200, make_policy("fcfs"), step_factors=np.array([2.0, 0.5, 3.0]))
+    assert lone.first_token_s[0] == pytest.approx(2.0 * h200.prefill_s(1000, 0))    # step 1: the prefill
+    trace, factors = small_trace(seed=2), np.random.default_rng(0).uniform(0.5, 2.0, 7)
+    jumps = []
+    forward = Simulator._fast_forward
+
+    def counted(sim):
+        before = sim.step
+        forward(sim)
+        jumps.append(sim.step - before)
+
+    monkeypatch.setattr(Simulator, "_fast_forward", counted)
+    jumped = simulate(trace, h200, make_policy("feather-rule"), config=engine(), step_factors=factors)
+    assert max(jumps) > 1                                   # decode-only steps were jumped over
+    monkeypatch.setattr(Simulator, "_fast_forward", lambda sim: None)
+    stepped = simulate(trace, h200, make_policy("feather-rule"), config=engine(), step_factors=factors)
+    assert stepped.num_steps == jumped.num_steps
+    for field in ("first_scheduled_s", "first_token_s", "finish_s"):
+        np.testing.assert_allclose(getattr(stepped, field), getattr(jumped, field), rtol=1e-9)
+
+
+@pytest.mark.parametrize("factors", [np.array([]), np.array([1.0, 0.0]), np.array([1.0, -2.0]), np.ones((2, 2))])
+def test_step_factors_must_be_positive_one_per_step(h200, factors):
+    with pytest.raises(ValueError, match="step_factors"):
+        simulate(small_trace(), h200, make_policy("fcfs"), config=engine(), step_factors=factors)
 
 
 def test_prefill_is_chunked_by_the_token_budget(h200):

@@ -47,6 +47,17 @@ engine, each load's figures beside the simulator's on the same requests and arri
    (``forecast_clock_error_fraction``, :func:`~feather_gym.costmodel.clock.clock_error`). Where the
    error exceeds the tolerance, the forecast cannot be expected to meet the target whatever the
    simulator's scheduling (``forecast_clock_within_tolerance`` false).
+7. **How far the engine's own steps spread a forecast.** The clock rescales the profile's mean;
+   each live step still errs by its own factor, and past capacity goodput moves with a few steps'
+   error as it does with the clock's. The calibration's steps give those factors in the order they
+   ran (:func:`~feather_gym.costmodel.clock.step_factors`, mean one). Per load, every policy is
+   simulated :data:`SPREAD_DRAWS` times more, each draw ``rounds`` rounds as live counts them (goodput:
+   requests within the SLO over the summed makespans), every round replaying the factors from a
+   random step (``Simulator(step_factors=...)``, the rounds seeded by ``seed`` and the load's index).
+   ``forecast_spread`` gives the draws' goodput band (:data:`SPREAD_PERCENTILES`) and median, whether
+   the live goodput is within the band (``live_within_band``), and whether the band lies within
+   :data:`GOODPUT_TOLERANCE` of the forecast (``band_within_tolerance``): where it does not, the
+   engine's own per-step error is enough to miss the target there, whatever the simulator's scheduling.
 
 With ``timed_steps_dir``, every timed round's steps are kept there as step logs
 (:func:`~feather_gym.costmodel.refit.write_step_log`), one file each: ``calibration-all-at-once.jsonl``,
@@ -80,6 +91,8 @@ import textwrap
 import time
 from collections import Counter
 
+import numpy as np
+
 from deploy.engine_rounds import DEFAULT_ROUND_TIMEOUT_S
 from feather_gym.policies import DEFAULT_MAX_WAIT_STEPS
 from feather_gym.sweep import policy_label
@@ -101,6 +114,10 @@ CALIBRATION_LOAD = 1.0
 GOODPUT_TOLERANCE = 0.10
 #: The relative change of the clock at which the forecast's sensitivity to it is measured (module doc, step 6).
 CLOCK_STEP = 0.02
+#: Simulated draws of ``rounds`` rounds per load and policy with the steps' own errors replayed (module doc, step 7).
+SPREAD_DRAWS = 20
+#: The percentiles of the draws' goodput that bound the forecast's band (module doc, step 7).
+SPREAD_PERCENTILES = (5, 95)
 #: Figures of each side per load and policy (keys of both).
 FIGURES = ("throughput_tok_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_ms", "tpot_p99_ms", "goodput_req_s",
            "slo_met_fraction", "steps", "step_ms_mean", "decisions", "forced_wait_admissions",
@@ -176,6 +193,46 @@ def clock_sensitivity(elasticities: dict[str, float | None], forecast_error: flo
             "forecast_clock_within_tolerance": tolerance is None or abs(forecast_error) <= tolerance}
 
 
+def forecast_spread(loaded, cost_model, names: list[str], factors, *, rounds: int, slo, config, digests,
+                    rng) -> dict:
+    """One load's draws of step 7 (module doc): per policy the goodput of :data:`SPREAD_DRAWS` draws of
+    ``rounds`` simulated rounds, each round with ``factors`` replayed from a step ``rng`` picks (the
+    same step for every policy of that round). Returns the band (:data:`SPREAD_PERCENTILES`) and
+    median per policy; :func:`spread_verdict` adds the comparisons."""
+    from deploy.bench.validate import as_deployed
+    from feather_gym.sweep import simulate_policies
+
+    draws = {name: [] for name in names}
+    for _ in range(SPREAD_DRAWS):
+        met, span = dict.fromkeys(names, 0.0), dict.fromkeys(names, 0.0)
+        for _ in range(rounds):
+            replayed = np.roll(factors, -int(rng.integers(len(factors))))
+            for row in simulate_policies(loaded, cost_model, names, slo=slo, config=config, digests=digests,
+                                         policy_factory=as_deployed, step_factors=replayed):
+                met[row["policy"]] += row["goodput_req_s"] * row["makespan_s"]
+                span[row["policy"]] += row["makespan_s"]
+        for name in names:
+            draws[name].append(met[name] / span[name] if span[name] > 0 else 0.0)
+    low, high = SPREAD_PERCENTILES
+    return {"draws": SPREAD_DRAWS, "rounds_per_draw": rounds,
+            "goodput_band_req_s": {name: [float(np.percentile(g, low)), float(np.percentile(g, high))]
+                                   for name, g in draws.items()},
+            "goodput_median_req_s": {name: float(np.median(g)) for name, g in draws.items()}}
+
+
+def spread_verdict(spread: dict, comparison: dict) -> dict:
+    """``spread`` (:func:`forecast_spread`) with, per policy of ``comparison`` (:func:`compare_load`'s),
+    whether its live goodput lies within the band (``live_within_band``) and whether the band lies
+    within :data:`GOODPUT_TOLERANCE` of the simulated goodput (``band_within_tolerance``)."""
+    inside, narrow = {}, {}
+    for name, p in comparison["policies"].items():
+        low, high = spread["goodput_band_req_s"][name]
+        forecast = p["sim"]["goodput_req_s"]
+        inside[name] = low <= p["live"]["goodput_req_s"] <= high
+        narrow[name] = (1 - GOODPUT_TOLERANCE) * forecast <= low and high <= (1 + GOODPUT_TOLERANCE) * forecast
+    return {**spread, "live_within_band": inside, "band_within_tolerance": narrow}
+
+
 def unsettled_pairs(live_sides: dict[str, dict]) -> list[list[str]] | None:
     """The pairs of policies whose live goodputs are not in the same order in every round (round
     ``i`` of one against round ``i`` of the other; a tie in one round and an order in another is
@@ -219,7 +276,7 @@ def live_sweep(workload: str = DEFAULT_WORKLOAD, *, label: str | None = None, lo
     from deploy.bench.validate import as_deployed, as_served, live_sides, simulated_engine
     from deploy.engine_rounds import kv_capacity, run_round
     from feather_gym.costmodel import hardware_profile, load_cost_model
-    from feather_gym.costmodel.clock import clock_error, fit_clock
+    from feather_gym.costmodel.clock import clock_error, fit_clock, step_factors
     from feather_gym.costmodel.refit import write_step_log
     from feather_gym.load import at_load, check_load, find_capacity
     from feather_gym.simulator import trace_digests
@@ -265,11 +322,12 @@ def live_sweep(workload: str = DEFAULT_WORKLOAD, *, label: str | None = None, lo
         run_round(llm, trace, cls, label=f"warm-up {side}", round_index=-1, online=False, **kwargs)
     burst = fitted(time_engine_steps(llm, trace), "calibration-all-at-once")
     first = find_capacity(trace, burst.scale(base), engine_config)
-    calibration = fitted(time_engine_steps(llm, at_rate(trace, first.rate_factor * CALIBRATION_LOAD), online=True),
-                         "calibration-online")
+    calibration_steps = time_engine_steps(llm, at_rate(trace, first.rate_factor * CALIBRATION_LOAD), online=True)
+    calibration = fitted(calibration_steps, "calibration-online")
     cost_model = calibration.scale(base)
     logger.info("clock factors %.4f, prefill %.4f on %d online steps (all at once: %.4f, prefill %.4f)",
                 calibration.factor, calibration.prefill_factor, calibration.steps, burst.factor, burst.prefill_factor)
+    factors = step_factors(calibration_steps, cost_model)
     digests = trace_digests(trace, engine_config.block_size)
     capacity = find_capacity(trace, cost_model, engine_config, digests=digests)
     report = {"workload": label or workload_label(workload), "spec": workload, "requests": len(trace),
@@ -281,6 +339,7 @@ def live_sweep(workload: str = DEFAULT_WORKLOAD, *, label: str | None = None, lo
               "burst_clock_factor": burst.factor, "burst_clock_prefill_factor": burst.prefill_factor,
               "burst_calibration_mape_after": burst.mape_after,
               "burst_capacity_requests_per_s": first.requests_per_s,
+              "step_factors": len(factors), "step_factor_cv": float(factors.std()),
               **slo.as_dict(), **capacity.as_dict(), "loads": []}
     clock = calibration
     for k, load in enumerate(loads):
@@ -294,6 +353,8 @@ def live_sweep(workload: str = DEFAULT_WORKLOAD, *, label: str | None = None, lo
         elasticities = {row["policy"]: goodput_clock_elasticity(*(rows[i]["goodput_req_s"]
                                                                   for rows in (faster, forecast, slower)))
                         for i, row in enumerate(forecast)}
+        spread = forecast_spread(loaded, cost_model, names, factors, rounds=rounds, slo=slo, config=engine_config,
+                                 digests=digests, rng=np.random.default_rng([seed, k]))
         logger.info("load %g: %.3g requests/s over %.1f s (clock x%.4f, prefill x%.4f)", load,
                     capacity.requests_per_s * load, loaded.duration_s, clock.factor, clock.prefill_factor)
         fcfs_steps: list = []
@@ -305,11 +366,11 @@ def live_sweep(workload: str = DEFAULT_WORKLOAD, *, label: str | None = None, lo
         cost_model = clock.scale(base)
         refit = simulate_policies(loaded, cost_model, names, slo=slo, config=engine_config, digests=digests,
                                   policy_factory=as_deployed)
+        compared = compare_load({row["policy"]: row for row in forecast}, live["sides"])
         report["loads"].append({"load": load, "arrival_rate_req_s": capacity.requests_per_s * load,
                                 "capacity_requests_per_s": capacity.requests_per_s,
-                                "arrival_span_s": loaded.duration_s, "live_order": live["order"],
-                                **compare_load({row["policy"]: row for row in forecast}, live["sides"]),
-                                "clock_sensitivity": sensitivity,
+                                "arrival_span_s": loaded.duration_s, "live_order": live["order"], **compared,
+                                "clock_sensitivity": sensitivity, "forecast_spread": spread_verdict(spread, compared),
                                 "load_clock": clock.as_dict(),
                                 "at_load_clock": compare_load({row["policy"]: row for row in refit}, live["sides"])})
     for key in ("same_ranking", "meets_live_target", "same_ranking_where_rounds_agree"):
@@ -317,6 +378,8 @@ def live_sweep(workload: str = DEFAULT_WORKLOAD, *, label: str | None = None, lo
         report[f"loads_{key}_at_load_clock"] = sum(bool(entry["at_load_clock"][key]) for entry in report["loads"])
     report["loads_forecast_clock_within_tolerance"] = sum(entry["clock_sensitivity"]["forecast_clock_within_tolerance"]
                                                           for entry in report["loads"])
+    report["loads_live_within_forecast_band"] = sum(all(entry["forecast_spread"]["live_within_band"].values())
+                                                    for entry in report["loads"])
     report["timed_step_logs"] = step_logs
     report["load_average_1min_start"], report["load_average_1min_end"] = load_start, os.getloadavg()[0]
     report["wall_s"] = round(time.perf_counter() - started, 1)
@@ -346,6 +409,8 @@ def format_live_sweep(report: dict) -> str:
             f"all at once: x{report['burst_clock_factor']:.3f}, prefill x{report['burst_clock_prefill_factor']:.3f}, "
             "FCFS capacity "
             f"{report['burst_capacity_requests_per_s']:.3g} requests/s",
+            f"each step's own error on it: {report['step_factors']} factors, mean 1, standard deviation "
+            f"{100 * report['step_factor_cv']:.0f}%; the spread's draws replay them",
             f"FCFS capacity on the calibrated profile {report['capacity_requests_per_s']:.3g} requests/s "
             f"({report['capacity_simulations']} simulations), the first load's",
             "cells: simulated|live; sched: the live scheduler's CPU ms per step",
@@ -371,6 +436,7 @@ def format_live_sweep(report: dict) -> str:
         rows += _settled_rows(entry, "  ")
         rows.append(_target_text(entry, "  "))
         rows.append(_sensitivity_text(entry["clock_sensitivity"], "  "))
+        rows.append(_spread_text(entry["forecast_spread"], entry, "  "))
         clock, refit = entry["load_clock"], entry["at_load_clock"]
         refit_goodput = {name: p["sim"]["goodput_req_s"] for name, p in refit["policies"].items()}
         rows.append(f"  at its FCFS steps' clock (x{clock['clock_factor']:.3f}, "
@@ -416,6 +482,21 @@ def _sensitivity_text(sensitivity: dict, indent: str) -> str:
     return _wrapped(f"{text}; goodput moves {abs(elasticities[worst]):.1f}% per 1% of step time "
                     f"({policy_label(worst, _LABEL_WIDTH)}), so the target needs the clock within "
                     f"{limit}: {verdict}", len(indent) + 2)
+
+
+def _spread_text(spread: dict, comparison: dict, indent: str) -> str:
+    """One load's forecast band (:func:`spread_verdict`) at ``indent``, wrapped within 120 columns."""
+    low, high = SPREAD_PERCENTILES
+    cells = []
+    for name, (bottom, top) in spread["goodput_band_req_s"].items():
+        live = comparison["policies"][name]["live"]["goodput_req_s"]
+        where = "in" if spread["live_within_band"][name] else "OUT"
+        cells.append(f"{policy_label(name, _LABEL_WIDTH)} {bottom:.3f}-{top:.3f} (live {live:.3f} {where})")
+    wide = [policy_label(name, _LABEL_WIDTH) for name, narrow in spread["band_within_tolerance"].items() if not narrow]
+    tail = (f"; wider than {100 * GOODPUT_TOLERANCE:.0f}% of the forecast for {', '.join(wide)}" if wide else
+            f"; every band within {100 * GOODPUT_TOLERANCE:.0f}% of the forecast")
+    return _wrapped(f"{indent}spread: goodput {low}-{high}% of {spread['draws']} draws of {spread['rounds_per_draw']} "
+                    f"rounds with the steps' own errors: {', '.join(cells)}{tail}", len(indent) + 2)
 
 
 def _wrapped(line: str, hang: int) -> str:

@@ -21,6 +21,11 @@ error before and after says how much of the difference the factors explain; what
 
 :func:`clock_error` says how far a calibrated model is off on other timed steps (a later round,
 another load): their summed measured time over its summed prediction, less one.
+
+What the factors leave is each step's own error: :func:`step_factors` gives it per step, as the
+factor by which the step ran longer than the calibrated model predicts, scaled to a mean of one.
+Replayed by the simulator (``Simulator(step_factors=...)``) from some step on, they make a run
+whose steps err as the timed ones did, in the order they did, without moving the clock's mean.
 """
 
 from __future__ import annotations
@@ -103,3 +108,12 @@ def fit_clock(steps, cost_model: CostModel, *, clock: str = "wall") -> ClockCali
                             measured_s=float(measured.sum()), predicted_s=float(predicted.sum()),
                             mape_before=float(np.mean(np.abs(predicted - measured) / measured)),
                             mape_after=float(np.mean(np.abs(after - measured) / measured)))
+
+
+def step_factors(steps, cost_model: CostModel, *, clock: str = "wall") -> np.ndarray:
+    """Per timed step that computed something, in order: its measured seconds over
+    ``cost_model``'s prediction, divided by the mean of these ratios (so their mean is 1).
+    ``ValueError`` when no step computed anything."""
+    measured, parts = _timed_parts(steps, cost_model, clock)
+    ratios = measured / parts.sum(axis=1)
+    return ratios / ratios.mean()
