@@ -169,24 +169,34 @@ def _refit(args) -> int:
     return 0
 
 
-def _clock(args) -> int:
-    from feather_gym.costmodel import load_cost_model
-    from feather_gym.costmodel.clock import clock_error, fit_clock
+def _logged_steps(paths: list[str]) -> tuple[list, int]:
+    """The step-log records of ``paths`` and the unreadable lines skipped; ``ValueError`` naming the
+    logs when they hold no record."""
     from feather_gym.costmodel.refit import read_step_logs
 
-    base = load_cost_model(args.profile)
-    steps, skipped = read_step_logs(args.from_logs)
+    steps, skipped = read_step_logs(paths)
     if not steps:
-        raise ValueError(f"{' '.join(args.from_logs)}: no step-log records ({skipped} unreadable lines)")
+        raise ValueError(f"{' '.join(paths)}: no step-log records ({skipped} unreadable lines)")
+    return steps, skipped
+
+
+def _clock(args) -> int:
+    from feather_gym.costmodel import load_cost_model
+    from feather_gym.costmodel.clock import clock_error, fit_clock, step_factors
+
+    base = load_cost_model(args.profile)
+    steps, skipped = _logged_steps(args.from_logs)
     calibration = fit_clock(steps, base, clock=args.clock)
     calibrated = calibration.scale(base)
+    spread = float(step_factors(steps, calibrated, clock=args.clock).std())
     report = {"profile": base.name, "calibrated_profile": calibrated.name, "clock": args.clock,
-              "logged_steps": len(steps), "skipped_lines": skipped, **calibration.as_dict()}
+              "logged_steps": len(steps), "skipped_lines": skipped, **calibration.as_dict(), "step_factor_cv": spread}
     print(f"{len(steps)} logged steps ({skipped} unreadable lines), {calibration.steps} that computed something, "
           f"{args.clock} clock: {calibrated.name}")
-    print(f"  per-step MAPE {calibration.mape_before:.1%} ({base.name}) -> {calibration.mape_after:.1%}")
+    print(f"  per-step MAPE {calibration.mape_before:.1%} ({base.name}) -> {calibration.mape_after:.1%}; "
+          f"each step's own error on it: standard deviation {spread:.1%}")
     if args.against:
-        other, other_skipped = read_step_logs(args.against)
+        other, other_skipped = _logged_steps(args.against)
         report.update(against_logged_steps=len(other), against_skipped_lines=other_skipped,
                       against_clock_error_fraction=clock_error(other, calibrated, clock=args.clock),
                       against_base_clock_error_fraction=clock_error(other, base, clock=args.clock))

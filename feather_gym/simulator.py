@@ -50,8 +50,8 @@ Divergences from vLLM 0.32 that remain (effects measured with ``feather sim vali
   decoder's blocks are allocated one token late at most; neither affects other requests.
 * Step times are the cost model's: per-step noise and the engine's own overheads beyond its
   fitted terms are not simulated, unless ``step_factors`` are given: then engine step ``k``
-  (from 1) takes ``step_factors[(k - 1) % len(step_factors)]`` times the cost model's time (a
-  timed run's per-step errors replayed, :func:`~feather_gym.costmodel.clock.step_factors`). No
+  (from 1) takes ``step_factors[(k - 1) % len(step_factors)]`` times the cost model's time (per-step
+  errors drawn from a timed run's, :func:`~feather_gym.costmodel.clock.step_factors`). No
   admission rule and no feature reads step times (the waiting-time bound and
   ``oldest_wait_steps`` count engine steps), so they change only when a request that arrives
   while the engine runs joins the queue (online submission).

@@ -168,6 +168,7 @@ def test_feather_profile_clock_fits_logged_steps_and_says_how_far_off_it_is_on_o
     assert report["calibrated_profile"] == "vllm-cpu@x1.2/prefill x0.7" and report["clock"] == "wall"
     assert (report["logged_steps"], report["calibration_steps"], report["skipped_lines"]) == (6, 5, 0)
     assert report["calibration_mape_after"] == pytest.approx(0.0, abs=1e-9)
+    assert report["step_factor_cv"] == pytest.approx(0.0, abs=1e-9)              # the clock explains every step
     assert (report["against_logged_steps"], report["against_skipped_lines"]) == (5, 1)
     assert report["against_clock_error_fraction"] == pytest.approx(0.1)           # 10% slower than calibrated
     assert report["against_base_clock_error_fraction"] == pytest.approx(
@@ -177,7 +178,12 @@ def test_feather_profile_clock_fits_logged_steps_and_says_how_far_off_it_is_on_o
 
 def test_feather_profile_clock_refuses_a_log_without_records_naming_it(tmp_path, capsys):
     from feather_cli.main import main
+    from feather_gym.costmodel.refit import write_step_log
 
     (tmp_path / "cut.jsonl").write_text('{"step": 1, "time_unix_s"\n')
     assert main(["profile", "clock", "--from-logs", str(tmp_path / "cut.jsonl"), "--profile", "vllm-cpu"]) == 2
+    assert f"{tmp_path / 'cut.jsonl'}: no step-log records (1 unreadable lines)" in capsys.readouterr().err
+    write_step_log(tmp_path / "good.jsonl", timed(load_cost_model("vllm-cpu"), [1.0] * len(COMPOSITIONS)))
+    assert main(["profile", "clock", "--from-logs", str(tmp_path / "good.jsonl"), "--profile", "vllm-cpu",
+                 "--against", str(tmp_path / "cut.jsonl")]) == 2
     assert f"{tmp_path / 'cut.jsonl'}: no step-log records (1 unreadable lines)" in capsys.readouterr().err

@@ -191,11 +191,12 @@ def test_the_forecast_spread_of_steps_without_error_is_the_forecast_and_errors_w
     names = ["fcfs", "feather-rule"]
     common = {"rounds": 2, "slo": slo, "config": config, "digests": digests}
 
-    def spread(factors, seed=0):
-        return forecast_spread(loaded, base, names, factors, rng=np.random.default_rng(seed), **common)
+    rows = simulate_policies(loaded, base, names, slo=slo, config=config, digests=digests, policy_factory=as_deployed)
+    forecast = {row["policy"]: row["goodput_req_s"] for row in rows}
 
-    forecast = {row["policy"]: row["goodput_req_s"] for row in simulate_policies(
-        loaded, base, names, slo=slo, config=config, digests=digests, policy_factory=as_deployed)}
+    def spread(factors, seed=0):
+        return forecast_spread(loaded, base, rows, factors, rng=np.random.default_rng(seed), **common)
+
     flat = spread(np.ones(40))
     assert (flat["draws"], flat["rounds_per_draw"]) == (SPREAD_DRAWS, 2)
     for name in names:
@@ -342,7 +343,7 @@ def test_a_small_live_sweep_reports_every_figure_and_every_request_finishes(caps
             tolerance is None or abs(sensitivity["forecast_clock_error_fraction"]) <= tolerance)
     assert report["loads_forecast_clock_within_tolerance"] == sum(
         entry["clock_sensitivity"]["forecast_clock_within_tolerance"] for entry in report["loads"])
-    # The spread replays the calibration's own steps: one factor per step its clock was fitted on.
+    # The spread draws from the calibration's own steps: one factor per step its clock was fitted on.
     assert report["step_factors"] == report["calibration_steps"] and report["step_factor_cv"] > 0
     for entry in report["loads"]:
         spread = entry["forecast_spread"]
@@ -369,9 +370,10 @@ def test_a_small_live_sweep_reports_every_figure_and_every_request_finishes(caps
     burst, calibration, *at_loads = fits.values()
     assert (burst["clock_factor"], burst["clock_prefill_factor"]) == pytest.approx(
         (report["burst_clock_factor"], report["burst_clock_prefill_factor"]), rel=1e-9)
-    assert {key: calibration[key] for key in ("clock_factor", "clock_prefill_factor", "calibration_steps")} == (
-        pytest.approx({key: report[key] for key in ("clock_factor", "clock_prefill_factor", "calibration_steps")},
-                      rel=1e-9))
+    assert {key: calibration[key] for key in ("clock_factor", "clock_prefill_factor", "calibration_steps",
+                                              "step_factor_cv")} == (
+        pytest.approx({key: report[key] for key in ("clock_factor", "clock_prefill_factor", "calibration_steps",
+                                                    "step_factor_cv")}, rel=1e-9))
     assert calibration["against_clock_error_fraction"] == pytest.approx(
         report["loads"][0]["clock_sensitivity"]["forecast_clock_error_fraction"], rel=1e-9)
     for fit, entry in zip(at_loads, report["loads"]):

@@ -49,11 +49,13 @@ engine, each load's figures beside the simulator's on the same requests and arri
    simulator's scheduling (``forecast_clock_within_tolerance`` false).
 7. **How far the engine's own steps spread a forecast.** The clock rescales the profile's mean;
    each live step still errs by its own factor, and past capacity goodput moves with a few steps'
-   error as it does with the clock's. The calibration's steps give those factors in the order they
-   ran (:func:`~feather_gym.costmodel.clock.step_factors`, mean one). Per load, every policy is
+   error as it does with the clock's. The calibration's steps give those factors
+   (:func:`~feather_gym.costmodel.clock.step_factors`, mean one). Per load, every policy is
    simulated :data:`SPREAD_DRAWS` times more, each draw ``rounds`` rounds as live counts them (goodput:
-   requests within the SLO over the summed makespans), every round replaying the factors from a
-   random step (``Simulator(step_factors=...)``, the rounds seeded by ``seed`` and the load's index).
+   requests within the SLO over the summed makespans), every step of a round taking a factor drawn
+   from them independently (``Simulator(step_factors=...)``; seeded by ``seed`` and the load's
+   index). Independently, not in their order: consecutive steps err alike mostly because their
+   compositions are alike, and that error belongs to the composition, not to the time it ran.
    ``forecast_spread`` gives the draws' goodput band (:data:`SPREAD_PERCENTILES`) and median, whether
    the live goodput is within the band (``live_within_band``), and whether the band lies within
    :data:`GOODPUT_TOLERANCE` of the forecast (``band_within_tolerance``): where it does not, the
@@ -114,8 +116,8 @@ CALIBRATION_LOAD = 1.0
 GOODPUT_TOLERANCE = 0.10
 #: The relative change of the clock at which the forecast's sensitivity to it is measured (module doc, step 6).
 CLOCK_STEP = 0.02
-#: Simulated draws of ``rounds`` rounds per load and policy with the steps' own errors replayed (module doc, step 7).
-SPREAD_DRAWS = 20
+#: Simulated draws of ``rounds`` rounds per load and policy with the steps' own errors (module doc, step 7).
+SPREAD_DRAWS = 40
 #: The percentiles of the draws' goodput that bound the forecast's band (module doc, step 7).
 SPREAD_PERCENTILES = (5, 95)
 #: Figures of each side per load and policy (keys of both).
@@ -193,22 +195,25 @@ def clock_sensitivity(elasticities: dict[str, float | None], forecast_error: flo
             "forecast_clock_within_tolerance": tolerance is None or abs(forecast_error) <= tolerance}
 
 
-def forecast_spread(loaded, cost_model, names: list[str], factors, *, rounds: int, slo, config, digests,
+def forecast_spread(loaded, cost_model, forecast: list[dict], factors, *, rounds: int, slo, config, digests,
                     rng) -> dict:
-    """One load's draws of step 7 (module doc): per policy the goodput of :data:`SPREAD_DRAWS` draws of
-    ``rounds`` simulated rounds, each round with ``factors`` replayed from a step ``rng`` picks (the
-    same step for every policy of that round). Returns the band (:data:`SPREAD_PERCENTILES`) and
-    median per policy; :func:`spread_verdict` adds the comparisons."""
+    """One load's draws of step 7 (module doc) for the policies of ``forecast`` (the load's
+    :func:`~feather_gym.sweep.simulate_policies` rows): per policy the goodput of :data:`SPREAD_DRAWS`
+    draws of ``rounds`` simulated rounds, each round's steps taking factors ``rng`` draws from
+    ``factors`` with replacement (the same for every policy of that round; twice as many as the
+    forecast's longest run has steps, then they repeat). Returns the band (:data:`SPREAD_PERCENTILES`)
+    and median per policy; :func:`spread_verdict` adds the comparisons."""
     from deploy.bench.validate import as_deployed
     from feather_gym.sweep import simulate_policies
 
+    names, steps = [row["policy"] for row in forecast], 2 * max(row["steps"] for row in forecast)
     draws = {name: [] for name in names}
     for _ in range(SPREAD_DRAWS):
         met, span = dict.fromkeys(names, 0.0), dict.fromkeys(names, 0.0)
         for _ in range(rounds):
-            replayed = np.roll(factors, -int(rng.integers(len(factors))))
+            drawn = rng.choice(factors, size=steps)
             for row in simulate_policies(loaded, cost_model, names, slo=slo, config=config, digests=digests,
-                                         policy_factory=as_deployed, step_factors=replayed):
+                                         policy_factory=as_deployed, step_factors=drawn):
                 met[row["policy"]] += row["goodput_req_s"] * row["makespan_s"]
                 span[row["policy"]] += row["makespan_s"]
         for name in names:
@@ -353,7 +358,7 @@ def live_sweep(workload: str = DEFAULT_WORKLOAD, *, label: str | None = None, lo
         elasticities = {row["policy"]: goodput_clock_elasticity(*(rows[i]["goodput_req_s"]
                                                                   for rows in (faster, forecast, slower)))
                         for i, row in enumerate(forecast)}
-        spread = forecast_spread(loaded, cost_model, names, factors, rounds=rounds, slo=slo, config=engine_config,
+        spread = forecast_spread(loaded, cost_model, forecast, factors, rounds=rounds, slo=slo, config=engine_config,
                                  digests=digests, rng=np.random.default_rng([seed, k]))
         logger.info("load %g: %.3g requests/s over %.1f s (clock x%.4f, prefill x%.4f)", load,
                     capacity.requests_per_s * load, loaded.duration_s, clock.factor, clock.prefill_factor)
@@ -410,7 +415,7 @@ def format_live_sweep(report: dict) -> str:
             "FCFS capacity "
             f"{report['burst_capacity_requests_per_s']:.3g} requests/s",
             f"each step's own error on it: {report['step_factors']} factors, mean 1, standard deviation "
-            f"{100 * report['step_factor_cv']:.0f}%; the spread's draws replay them",
+            f"{100 * report['step_factor_cv']:.0f}%; the spread's steps draw from them",
             f"FCFS capacity on the calibrated profile {report['capacity_requests_per_s']:.3g} requests/s "
             f"({report['capacity_simulations']} simulations), the first load's",
             "cells: simulated|live; sched: the live scheduler's CPU ms per step",

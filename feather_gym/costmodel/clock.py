@@ -24,8 +24,8 @@ another load): their summed measured time over its summed prediction, less one.
 
 What the factors leave is each step's own error: :func:`step_factors` gives it per step, as the
 factor by which the step ran longer than the calibrated model predicts, scaled to a mean of one.
-Replayed by the simulator (``Simulator(step_factors=...)``) from some step on, they make a run
-whose steps err as the timed ones did, in the order they did, without moving the clock's mean.
+Drawn for a simulated run's steps (``Simulator(step_factors=...)``), they make steps that err as
+the timed ones did, without moving the clock's mean.
 """
 
 from __future__ import annotations
