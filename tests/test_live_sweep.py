@@ -139,7 +139,7 @@ def test_the_table_of_a_sweep_of_two_rounds_names_the_check_on_settled_pairs_wit
               "profile": "vllm-cpu", **clock, "calibration_load": 1.0, "calibration_measured_s": 10.0,
               "calibration_predicted_s": 11.0, "calibration_mape_before": 0.2, "calibration_mape_after": 0.05,
               "burst_clock_factor": 1.0, "burst_clock_prefill_factor": 1.0, "burst_capacity_requests_per_s": 1.5,
-              "step_factors": 100, "step_factor_cv": 0.18, "capacity_requests_per_s": 1.5, "capacity_simulations": 8,
+              "step_factor_cv": 0.18, "capacity_requests_per_s": 1.5, "capacity_simulations": 8,
               "loads": [{"load": 0.9, "arrival_rate_req_s": 1.35, "capacity_requests_per_s": 1.5, **compared,
                          "clock_sensitivity": clock_sensitivity({name: 5.9 for name in sim}, -0.032),
                          "forecast_spread": spread, "load_clock": clock, "at_load_clock": compared}]}
@@ -149,7 +149,7 @@ def test_the_table_of_a_sweep_of_two_rounds_names_the_check_on_settled_pairs_wit
     text = " ".join(" ".join(lines).split())
     assert "clock: live FCFS steps -3.2% off the forecast's; goodput moves 5.9% per 1% of step time" in text
     assert "the target needs the clock within 1.7%: OUTSIDE" in text
-    assert "100 factors, mean 1, standard deviation 18%" in text
+    assert "factors of mean 1, standard deviation 18%" in text
     assert ("spread: goodput 5-95% of 20 draws of 2 rounds with the steps' own errors: "
             "fcfs 0.700-1.200 (live 1.000 in)") in text
     assert "feather-rule 1.900-2.100 (live 2.000 in)" in text and "wider than 10% of the forecast for fcfs" in text
@@ -343,8 +343,7 @@ def test_a_small_live_sweep_reports_every_figure_and_every_request_finishes(caps
             tolerance is None or abs(sensitivity["forecast_clock_error_fraction"]) <= tolerance)
     assert report["loads_forecast_clock_within_tolerance"] == sum(
         entry["clock_sensitivity"]["forecast_clock_within_tolerance"] for entry in report["loads"])
-    # The spread draws from the calibration's own steps: one factor per step its clock was fitted on.
-    assert report["step_factors"] == report["calibration_steps"] and report["step_factor_cv"] > 0
+    assert report["step_factor_cv"] > 0             # the calibration's steps err around its clock
     for entry in report["loads"]:
         spread = entry["forecast_spread"]
         assert (spread["draws"], spread["rounds_per_draw"]) == (SPREAD_DRAWS, rounds)

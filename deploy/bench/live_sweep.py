@@ -344,7 +344,7 @@ def live_sweep(workload: str = DEFAULT_WORKLOAD, *, label: str | None = None, lo
               "burst_clock_factor": burst.factor, "burst_clock_prefill_factor": burst.prefill_factor,
               "burst_calibration_mape_after": burst.mape_after,
               "burst_capacity_requests_per_s": first.requests_per_s,
-              "step_factors": len(factors), "step_factor_cv": float(factors.std()),
+              "step_factor_cv": float(factors.std()),
               **slo.as_dict(), **capacity.as_dict(), "loads": []}
     clock = calibration
     for k, load in enumerate(loads):
@@ -414,7 +414,7 @@ def format_live_sweep(report: dict) -> str:
             f"all at once: x{report['burst_clock_factor']:.3f}, prefill x{report['burst_clock_prefill_factor']:.3f}, "
             "FCFS capacity "
             f"{report['burst_capacity_requests_per_s']:.3g} requests/s",
-            f"each step's own error on it: {report['step_factors']} factors, mean 1, standard deviation "
+            f"each of its steps' own error on it: factors of mean 1, standard deviation "
             f"{100 * report['step_factor_cv']:.0f}%; the spread's steps draw from them",
             f"FCFS capacity on the calibrated profile {report['capacity_requests_per_s']:.3g} requests/s "
             f"({report['capacity_simulations']} simulations), the first load's",
