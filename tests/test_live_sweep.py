@@ -6,6 +6,7 @@ line); then, marked live, one small sweep end to end: every request finishes on 
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 
@@ -133,8 +134,12 @@ def test_the_table_of_a_sweep_of_two_rounds_names_the_check_on_settled_pairs_wit
     compared = compare_load(sim, live)
     clock = {"clock_factor": 1.0, "clock_prefill_factor": 1.0, "calibration_steps": 100}
     band = {n: [0.7, 1.2] if n == "fcfs" else [1.9, 2.1] for n in sim}
+    network = "runs/a-long-run-name/policy.onnx"              # its orders are not held: live reverses one
+    goodput = {name: row["goodput_req_s"] for name, row in sim.items()}
+    orders = [{"ahead": a, "behind": b, "draw_share": 0.5 if network in (a, b) else 1.0}
+              for a, b in itertools.permutations(sim, 2) if goodput[a] > 1.001 * goodput[b]]
     spread = spread_verdict({"draws": 20, "rounds_per_draw": 2, "goodput_median_req_s": {n: 1.0 for n in sim},
-                             "goodput_band_req_s": band}, compared)
+                             "goodput_band_req_s": band, "forecast_orders": orders}, compared)
     report = {"workload": "small", "requests": 12, "rounds": 2, "slo_ttft_s": 10.0, "slo_tpot_s": 0.5, "wall_s": 60.0,
               "profile": "vllm-cpu", **clock, "calibration_load": 1.0, "calibration_measured_s": 10.0,
               "calibration_predicted_s": 11.0, "calibration_mape_before": 0.2, "calibration_mape_after": 0.05,
@@ -153,6 +158,9 @@ def test_the_table_of_a_sweep_of_two_rounds_names_the_check_on_settled_pairs_wit
     assert ("spread: goodput 5-95% of 20 draws of 2 rounds with the steps' own errors: "
             "fcfs 0.700-1.200 (live 1.000 in)") in text
     assert "feather-rule 1.900-2.100 (live 2.000 in)" in text and "wider than 10% of the forecast for fcfs" in text
+    held = sum(o["draw_share"] == 1.0 for o in orders)
+    assert f"{held} of the forecast's {len(orders)} orders held in 90% of draws, live agrees on them" in text
+    assert not compared["same_ranking"]                          # the strict ranking is not met
     report["loads"][0]["clock_sensitivity"] = clock_sensitivity({name: 0.002 for name in sim}, 0.01)  # far below
     text = " ".join(" ".join(format_live_sweep(report).splitlines()).split())                       # capacity
     assert "goodput moves 0.0% per 1% of step time" in text and "within more than 100%: within" in text
@@ -164,13 +172,24 @@ def test_the_forecast_band_says_whether_live_lies_in_it_and_whether_it_fits_the_
     compared = compare_load({"fcfs": sim_row(1.0, "fcfs"), "feather-rule": sim_row(2.0), "dfs": sim_row(2.0, "dfs")},
                             {"fcfs": live_side(1.25), "feather-rule": live_side(2.1), "dfs": live_side(1.79)})
     band = {"fcfs": [0.8, 1.3], "feather-rule": [1.8, 2.2], "dfs": [1.8, 2.21]}
+    orders = [{"ahead": "feather-rule", "behind": "fcfs", "draw_share": 0.9},   # held, to the edge
+              {"ahead": "dfs", "behind": "fcfs", "draw_share": 0.89}]
     spread = spread_verdict({"draws": 20, "rounds_per_draw": 1, "goodput_band_req_s": band,
-                             "goodput_median_req_s": {n: 1.0 for n in band}}, compared)
+                             "goodput_median_req_s": {n: 1.0 for n in band}, "forecast_orders": orders}, compared)
     assert spread["goodput_band_req_s"] == band and spread["draws"] == 20
     assert spread["live_within_band"] == {"fcfs": True, "feather-rule": True, "dfs": False}
     # The rule's band is ±10% of its forecast, to the edge; FCFS's and DFS's reach past it.
     assert spread["band_within_tolerance"] == {"fcfs": False, "feather-rule": True, "dfs": False}
     assert GOODPUT_TOLERANCE == 0.1
+    # DFS stays ahead of FCFS live, so the strict ranking holds as well; the order the draws do not
+    # hold is left unchecked.
+    assert spread["orders_not_held"] == [["dfs", "fcfs"]] and spread["same_ranking_where_orders_hold"]
+    reversed_live = compare_load({"fcfs": sim_row(1.0, "fcfs"), "feather-rule": sim_row(2.0)},
+                                 {"fcfs": live_side(2.5), "feather-rule": live_side(2.1)})
+    for share, agrees in ((0.95, False), (0.5, True)):    # a held order reversed live; one not held
+        verdict = spread_verdict({**spread, "forecast_orders": [
+            {"ahead": "feather-rule", "behind": "fcfs", "draw_share": share}]}, reversed_live)
+        assert verdict["same_ranking_where_orders_hold"] is agrees and not reversed_live["same_ranking"]
 
 
 def test_the_forecast_spread_of_steps_without_error_is_the_forecast_and_errors_widen_it():
@@ -202,6 +221,10 @@ def test_the_forecast_spread_of_steps_without_error_is_the_forecast_and_errors_w
     for name in names:
         assert flat["goodput_band_req_s"][name] == pytest.approx([forecast[name]] * 2, rel=1e-12)
         assert flat["goodput_median_req_s"][name] == pytest.approx(forecast[name], rel=1e-12)
+    # Every draw is the forecast, so every order the forecast claims is kept by every pair of draws.
+    claimed = [[a, b] for a, b in (names, names[::-1]) if forecast[a] > 1.001 * forecast[b]]
+    assert [[o["ahead"], o["behind"]] for o in flat["forecast_orders"]] == claimed
+    assert all(o["draw_share"] == 1.0 for o in flat["forecast_orders"])
     factors = np.exp(0.4 * np.random.default_rng(1).standard_normal(40))
     noisy = spread(factors / factors.mean())
     assert noisy == spread(factors / factors.mean())                              # seeded: the same draws
@@ -353,6 +376,13 @@ def test_a_small_live_sweep_reports_every_figure_and_every_request_finishes(caps
             assert spread["live_within_band"][name] == (low <= entry["policies"][name]["live"]["goodput_req_s"] <= high)
     assert report["loads_live_within_forecast_band"] == sum(
         all(entry["forecast_spread"]["live_within_band"].values()) for entry in report["loads"])
+    for entry in report["loads"]:
+        spread = entry["forecast_spread"]
+        assert all(0 <= o["draw_share"] <= 1 for o in spread["forecast_orders"])
+        assert spread["orders_not_held"] == [[o["ahead"], o["behind"]] for o in spread["forecast_orders"]
+                                             if o["draw_share"] < 0.9]
+    assert report["loads_same_ranking_where_orders_hold"] == sum(
+        entry["forecast_spread"]["same_ranking_where_orders_hold"] for entry in report["loads"])
     for key in ("same_ranking", "meets_live_target"):
         assert report[f"loads_{key}"] == sum(entry[key] for entry in report["loads"])
         assert report[f"loads_{key}_at_load_clock"] == sum(entry["at_load_clock"][key] for entry in report["loads"])

@@ -60,6 +60,12 @@ engine, each load's figures beside the simulator's on the same requests and arri
    the live goodput is within the band (``live_within_band``), and whether the band lies within
    :data:`GOODPUT_TOLERANCE` of the forecast (``band_within_tolerance``): where it does not, the
    engine's own per-step error is enough to miss the target there, whatever the simulator's scheduling.
+   For every pair the forecast orders (beyond :data:`~deploy.bench.validate.RANKING_TIE`), it gives
+   the share of pairs of draws, one of each policy, that order them alike (``forecast_orders``;
+   each policy's draws taken apart, as its live rounds run apart from the other's). An order held
+   by fewer than :data:`ORDER_HELD_SHARE` of them is one the engine's per-step error can reverse
+   (``orders_not_held``); ``same_ranking_where_orders_hold`` checks the live ranking on the rest.
+   The target (``meets_live_target``) stays the strict ranking.
 
 With ``timed_steps_dir``, every timed round's steps are kept there as step logs
 (:func:`~feather_gym.costmodel.refit.write_step_log`), one file each: ``calibration-all-at-once.jsonl``,
@@ -120,6 +126,8 @@ CLOCK_STEP = 0.02
 SPREAD_DRAWS = 40
 #: The percentiles of the draws' goodput that bound the forecast's band (module doc, step 7).
 SPREAD_PERCENTILES = (5, 95)
+#: The share of draws that must keep a forecast's order of two policies for it to hold (module doc, step 7).
+ORDER_HELD_SHARE = 0.9
 #: Figures of each side per load and policy (keys of both).
 FIGURES = ("throughput_tok_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_ms", "tpot_p99_ms", "goodput_req_s",
            "slo_met_fraction", "steps", "step_ms_mean", "decisions", "forced_wait_admissions",
@@ -202,8 +210,11 @@ def forecast_spread(loaded, cost_model, forecast: list[dict], factors, *, rounds
     draws of ``rounds`` simulated rounds, each round's steps taking factors ``rng`` draws from
     ``factors`` with replacement (the same for every policy of that round; twice as many as the
     forecast's longest run has steps, then they repeat). Returns the band (:data:`SPREAD_PERCENTILES`)
-    and median per policy; :func:`spread_verdict` adds the comparisons."""
-    from deploy.bench.validate import as_deployed
+    and median per policy, and per pair the forecast orders the share of draw pairs that order it
+    alike (``forecast_orders``, the pair ahead first); :func:`spread_verdict` adds the comparisons."""
+    import itertools
+
+    from deploy.bench.validate import RANKING_TIE, as_deployed
     from feather_gym.sweep import simulate_policies
 
     names, steps = [row["policy"] for row in forecast], 2 * max(row["steps"] for row in forecast)
@@ -219,23 +230,38 @@ def forecast_spread(loaded, cost_model, forecast: list[dict], factors, *, rounds
         for name in names:
             draws[name].append(met[name] / span[name] if span[name] > 0 else 0.0)
     low, high = SPREAD_PERCENTILES
+    goodput = {row["policy"]: row["goodput_req_s"] for row in forecast}
+    orders = []
+    for a, b in itertools.combinations(sorted(names, key=lambda n: -goodput[n]), 2):
+        if goodput[a] - goodput[b] > RANKING_TIE * goodput[a]:
+            share = np.mean(np.array(draws[a])[:, None] > np.array(draws[b])[None, :])
+            orders.append({"ahead": a, "behind": b, "draw_share": float(share)})
     return {"draws": SPREAD_DRAWS, "rounds_per_draw": rounds,
             "goodput_band_req_s": {name: [float(np.percentile(g, low)), float(np.percentile(g, high))]
                                    for name, g in draws.items()},
-            "goodput_median_req_s": {name: float(np.median(g)) for name, g in draws.items()}}
+            "goodput_median_req_s": {name: float(np.median(g)) for name, g in draws.items()},
+            "forecast_orders": orders}
 
 
 def spread_verdict(spread: dict, comparison: dict) -> dict:
     """``spread`` (:func:`forecast_spread`) with, per policy of ``comparison`` (:func:`compare_load`'s),
     whether its live goodput lies within the band (``live_within_band``) and whether the band lies
-    within :data:`GOODPUT_TOLERANCE` of the simulated goodput (``band_within_tolerance``)."""
+    within :data:`GOODPUT_TOLERANCE` of the simulated goodput (``band_within_tolerance``); the
+    forecast's orders that fewer than :data:`ORDER_HELD_SHARE` of the draws keep (``orders_not_held``),
+    and whether the live ranking is the simulator's on the others (``same_ranking_where_orders_hold``)."""
+    from deploy.bench.validate import same_ranking
+
     inside, narrow = {}, {}
     for name, p in comparison["policies"].items():
         low, high = spread["goodput_band_req_s"][name]
         forecast = p["sim"]["goodput_req_s"]
         inside[name] = low <= p["live"]["goodput_req_s"] <= high
         narrow[name] = (1 - GOODPUT_TOLERANCE) * forecast <= low and high <= (1 + GOODPUT_TOLERANCE) * forecast
-    return {**spread, "live_within_band": inside, "band_within_tolerance": narrow}
+    loose = [[o["ahead"], o["behind"]] for o in spread["forecast_orders"] if o["draw_share"] < ORDER_HELD_SHARE]
+    goodput = {side: {name: p[side]["goodput_req_s"] for name, p in comparison["policies"].items()}
+               for side in ("sim", "live")}
+    return {**spread, "live_within_band": inside, "band_within_tolerance": narrow, "orders_not_held": loose,
+            "same_ranking_where_orders_hold": same_ranking(goodput["sim"], goodput["live"], unchecked=loose)}
 
 
 def unsettled_pairs(live_sides: dict[str, dict]) -> list[list[str]] | None:
@@ -385,6 +411,8 @@ def live_sweep(workload: str = DEFAULT_WORKLOAD, *, label: str | None = None, lo
                                                           for entry in report["loads"])
     report["loads_live_within_forecast_band"] = sum(all(entry["forecast_spread"]["live_within_band"].values())
                                                     for entry in report["loads"])
+    report["loads_same_ranking_where_orders_hold"] = sum(entry["forecast_spread"]["same_ranking_where_orders_hold"]
+                                                         for entry in report["loads"])
     report["timed_step_logs"] = step_logs
     report["load_average_1min_start"], report["load_average_1min_end"] = load_start, os.getloadavg()[0]
     report["wall_s"] = round(time.perf_counter() - started, 1)
@@ -500,6 +528,10 @@ def _spread_text(spread: dict, comparison: dict, indent: str) -> str:
     wide = [policy_label(name, _LABEL_WIDTH) for name, narrow in spread["band_within_tolerance"].items() if not narrow]
     tail = (f"; wider than {100 * GOODPUT_TOLERANCE:.0f}% of the forecast for {', '.join(wide)}" if wide else
             f"; every band within {100 * GOODPUT_TOLERANCE:.0f}% of the forecast")
+    orders = spread["forecast_orders"]
+    held = len(orders) - len(spread["orders_not_held"])
+    tail += (f"; {held} of the forecast's {len(orders)} orders held in {100 * ORDER_HELD_SHARE:.0f}% of draws, "
+             f"live {'agrees' if spread['same_ranking_where_orders_hold'] else 'DISAGREES'} on them")
     return _wrapped(f"{indent}spread: goodput {low}-{high}% of {spread['draws']} draws of {spread['rounds_per_draw']} "
                     f"rounds with the steps' own errors: {', '.join(cells)}{tail}", len(indent) + 2)
 
