@@ -165,7 +165,7 @@ def compare_load(sim_rows: dict[str, dict], live_sides: dict[str, dict]) -> dict
         policies[name] = {"sim": sim, "live": live, "goodput_live_over_sim": ratio,
                           "live_goodput_per_round_req_s": live_sides[name]["per_round"]["goodput_req_s"],
                           "live_scheduler_cpu_us_per_step": scheduler_cpu_us_per_step(live_sides[name])}
-    goodput = {side: {name: p[side]["goodput_req_s"] for name, p in policies.items()} for side in ("sim", "live")}
+    goodput = goodput_by_side(policies)
     ranked = same_ranking(goodput["sim"], goodput["live"])
     close = all(p["goodput_live_over_sim"] is not None and abs(p["goodput_live_over_sim"] - 1) <= GOODPUT_TOLERANCE
                 for p in policies.values())
@@ -176,6 +176,12 @@ def compare_load(sim_rows: dict[str, dict], live_sides: dict[str, dict]) -> dict
             "same_ranking": ranked, "meets_live_target": ranked and close, "live_unsettled_pairs": unsettled,
             "same_ranking_where_rounds_agree": None if unsettled is None else
             same_ranking(goodput["sim"], goodput["live"], unchecked=unsettled)}
+
+
+def goodput_by_side(policies: dict[str, dict]) -> dict[str, dict[str, float]]:
+    """``{"sim": {policy: goodput}, "live": {...}}`` of one load's compared ``policies``
+    (:func:`compare_load`'s)."""
+    return {side: {name: p[side]["goodput_req_s"] for name, p in policies.items()} for side in ("sim", "live")}
 
 
 def goodput_clock_elasticity(faster: float, goodput: float, slower: float, step: float = CLOCK_STEP) -> float | None:
@@ -214,7 +220,7 @@ def forecast_spread(loaded, cost_model, forecast: list[dict], factors, *, rounds
     alike (``forecast_orders``, the pair ahead first); :func:`spread_verdict` adds the comparisons."""
     import itertools
 
-    from deploy.bench.validate import RANKING_TIE, as_deployed
+    from deploy.bench.validate import as_deployed, tied
     from feather_gym.sweep import simulate_policies
 
     names, steps = [row["policy"] for row in forecast], 2 * max(row["steps"] for row in forecast)
@@ -233,7 +239,7 @@ def forecast_spread(loaded, cost_model, forecast: list[dict], factors, *, rounds
     goodput = {row["policy"]: row["goodput_req_s"] for row in forecast}
     orders = []
     for a, b in itertools.combinations(sorted(names, key=lambda n: -goodput[n]), 2):
-        if goodput[a] - goodput[b] > RANKING_TIE * goodput[a]:
+        if not tied(goodput[a], goodput[b]):
             share = np.mean(np.array(draws[a])[:, None] > np.array(draws[b])[None, :])
             orders.append({"ahead": a, "behind": b, "draw_share": float(share)})
     return {"draws": SPREAD_DRAWS, "rounds_per_draw": rounds,
@@ -258,8 +264,7 @@ def spread_verdict(spread: dict, comparison: dict) -> dict:
         inside[name] = low <= p["live"]["goodput_req_s"] <= high
         narrow[name] = (1 - GOODPUT_TOLERANCE) * forecast <= low and high <= (1 + GOODPUT_TOLERANCE) * forecast
     loose = [[o["ahead"], o["behind"]] for o in spread["forecast_orders"] if o["draw_share"] < ORDER_HELD_SHARE]
-    goodput = {side: {name: p[side]["goodput_req_s"] for name, p in comparison["policies"].items()}
-               for side in ("sim", "live")}
+    goodput = goodput_by_side(comparison["policies"])
     return {**spread, "live_within_band": inside, "band_within_tolerance": narrow, "orders_not_held": loose,
             "same_ranking_where_orders_hold": same_ranking(goodput["sim"], goodput["live"], unchecked=loose)}
 
@@ -281,13 +286,12 @@ def unsettled_pairs(live_sides: dict[str, dict]) -> list[list[str]] | None:
 def ranking_text(goodput: dict[str, float]) -> str:
     """Policies by goodput, best first: ``a > b = c``, ``=`` between neighbours within
     :data:`~deploy.bench.validate.RANKING_TIE` of each other (names as the table's column)."""
-    from deploy.bench.validate import RANKING_TIE
+    from deploy.bench.validate import tied
 
     ranked = sorted(goodput, key=lambda n: -goodput[n])
     text = policy_label(ranked[0], _LABEL_WIDTH)
     for before, name in zip(ranked, ranked[1:]):
-        tied = goodput[before] - goodput[name] <= RANKING_TIE * goodput[before]
-        text += f" {'=' if tied else '>'} {policy_label(name, _LABEL_WIDTH)}"
+        text += f" {'=' if tied(goodput[before], goodput[name]) else '>'} {policy_label(name, _LABEL_WIDTH)}"
     return text
 
 
@@ -459,8 +463,7 @@ def format_live_sweep(report: dict) -> str:
                                   for key, _, width, spec in _COLUMNS)
                         + f"{ratio:>9}{p['live_scheduler_cpu_us_per_step'] / 1e3:>6.1f}{live['requests_lost']:>5}")
     for entry in report["loads"]:
-        goodput = {side: {name: p[side]["goodput_req_s"] for name, p in entry["policies"].items()}
-                   for side in ("sim", "live")}
+        goodput = goodput_by_side(entry["policies"])
         rows.append(f"load {entry['load']:g}: {entry['arrival_rate_req_s']:.3g} requests/s, of FCFS's capacity "
                     f"{entry['capacity_requests_per_s']:.3g} requests/s on the clock before it")
         rows.append(_wrapped(f"  goodput ranking sim  {ranking_text(goodput['sim'])}", 23))

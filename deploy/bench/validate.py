@@ -164,6 +164,11 @@ def compare_sides(sim: dict[str, dict], live: dict[str, dict]) -> dict:
             "same_ranking": ranked, "targets_met": {**met, "ranking": ranked}}
 
 
+def tied(a: float, b: float) -> bool:
+    """Whether two figures are within :data:`RANKING_TIE` (relative to the larger) of each other."""
+    return abs(a - b) <= RANKING_TIE * max(a, b)
+
+
 def same_ranking(sim: dict[str, float], live: dict[str, float], unchecked=()) -> bool:
     """Whether every pair of policies whose simulated figures (``sim``, name -> tok/s or goodput)
     differ by more than :data:`RANKING_TIE` (relative) has the same order in ``live``: the
@@ -173,7 +178,7 @@ def same_ranking(sim: dict[str, float], live: dict[str, float], unchecked=()) ->
 
     skip = {frozenset(pair) for pair in unchecked}
     return all((sim[a] > sim[b]) == (live[a] > live[b]) for a, b in itertools.combinations(sim, 2)
-               if abs(sim[a] - sim[b]) > RANKING_TIE * max(sim[a], sim[b]) and frozenset((a, b)) not in skip)
+               if not tied(sim[a], sim[b]) and frozenset((a, b)) not in skip)
 
 
 def across_seeds(per_seed: dict[str, dict]) -> dict:
