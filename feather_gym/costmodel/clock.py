@@ -35,6 +35,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from .features import PREFILL_COLUMNS, DecodeBatch
+from .fit import absolute_percentage_errors
 from .model import CostModel
 from .refit import CLOCKS
 
@@ -106,8 +107,8 @@ def fit_clock(steps, cost_model: CostModel, *, clock: str = "wall") -> ClockCali
     after = parts @ factors
     return ClockCalibration(factor=float(factors[0]), prefill_factor=float(factors[1]), steps=len(measured),
                             measured_s=float(measured.sum()), predicted_s=float(predicted.sum()),
-                            mape_before=float(np.mean(np.abs(predicted - measured) / measured)),
-                            mape_after=float(np.mean(np.abs(after - measured) / measured)))
+                            mape_before=float(absolute_percentage_errors(measured, predicted).mean()),
+                            mape_after=float(absolute_percentage_errors(measured, after).mean()))
 
 
 def step_factors(steps, cost_model: CostModel, *, clock: str = "wall") -> np.ndarray:

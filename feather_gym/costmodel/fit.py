@@ -135,10 +135,14 @@ def phase_masks(rows: list[dict]) -> dict[str, np.ndarray]:
     return masks
 
 
-def relative_errors(rows: list[dict], measured: np.ndarray, predicted: np.ndarray) -> dict:
-    """``rows``, ``mape`` and ``max_ape`` (fractions) of ``predicted`` against ``measured`` seconds,
-    overall and per phase (keys prefixed as :func:`phase_masks`)."""
-    errors = np.abs(predicted - measured) / measured
+def absolute_percentage_errors(measured: np.ndarray, predicted: np.ndarray) -> np.ndarray:
+    """Per element, ``|predicted - measured| / measured``: fractions (0.05 = 5%), never negative."""
+    return np.abs(predicted - measured) / measured
+
+
+def relative_errors(rows: list[dict], errors: np.ndarray) -> dict:
+    """``rows``, ``mape`` and ``max_ape`` (fractions) of ``rows``' :func:`absolute_percentage_errors`
+    ``errors``, overall and per phase (keys prefixed as :func:`phase_masks`)."""
     report = {}
     for prefix, mask in phase_masks(rows).items():
         report.update({f"{prefix}rows": int(mask.sum()), f"{prefix}mape": float(errors[mask].mean()),
@@ -167,8 +171,8 @@ def cross_validate(profile: dict, cascade: bool, folds: int = 5, seed: int = 0) 
         test = [row for row, f in zip(rows, fold_of) if f == fold]
         coefficients, cache_bytes = fit_rows(train, shape, cache, cascade)
         predicted[fold_of == fold] = predict_rows(test, coefficients, shape, cache_bytes, cascade)
-    report = {"folds": folds, **relative_errors(rows, measured, predicted)}
-    errors = np.abs(predicted - measured) / measured
+    errors = absolute_percentage_errors(measured, predicted)
+    report = {"folds": folds, **relative_errors(rows, errors)}
     worst = int(np.argmax(errors))
     composition = {k: v for k, v in rows[worst].items() if k in COMPOSITION_FIELDS}
     report["worst"] = {**composition, "measured_s": float(measured[worst]), "predicted_s": float(predicted[worst]),

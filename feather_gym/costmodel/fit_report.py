@@ -54,13 +54,19 @@ def prediction_error(profile: dict, model, homogeneity_point: tuple[int, int, in
     overall and per phase, and its homogeneity comparison at ``homogeneity_point``."""
     import numpy as np
 
-    from feather_gym.costmodel.fit import measurement_rows, phase_masks, predict_rows, relative_errors
+    from feather_gym.costmodel.fit import (
+        absolute_percentage_errors,
+        measurement_rows,
+        phase_masks,
+        predict_rows,
+        relative_errors,
+    )
     from feather_gym.costmodel.homogeneity import homogeneity_comparison
 
     rows = measurement_rows(profile, model.cascade)
     measured = np.array([row["median_s"] for row in rows])
     predicted = predict_rows(rows, model.coefficients, model.model_shape, model.cache_bytes, model.cascade)
-    report = {"profile": model.name, **relative_errors(rows, measured, predicted)}
+    report = {"profile": model.name, **relative_errors(rows, absolute_percentage_errors(measured, predicted))}
     for prefix, mask in phase_masks(rows).items():
         report[f"{prefix}predicted_over_measured_median"] = float(np.median(predicted[mask] / measured[mask]))
     report["homogeneity"] = homogeneity_comparison(model, *homogeneity_point)

@@ -27,7 +27,7 @@ import numpy as np
 
 from traces.io import read_text
 
-from .fit import fit_rows, measurement_rows, predict_rows
+from .fit import absolute_percentage_errors, fit_rows, measurement_rows, predict_rows
 from .model import cost_model_from_profile
 from .profile_io import validate_profile
 from .shapes import ModelShape
@@ -139,7 +139,7 @@ def read_step_logs(paths) -> tuple[list[LiveStep], int]:
 def _errors(rows: list[dict], coefficients: dict, shape: ModelShape, cache_bytes: float) -> dict:
     measured = np.array([row["median_s"] for row in rows])
     predicted = predict_rows(rows, coefficients, shape, cache_bytes, cascade=False)
-    ape = np.abs(predicted - measured) / measured
+    ape = absolute_percentage_errors(measured, predicted)
     return {"mape": float(ape.mean()), "p90_ape": float(np.percentile(ape, 90)),
             "total_time_bias": float(predicted.sum() / measured.sum() - 1.0)}
 
