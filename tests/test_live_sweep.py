@@ -17,6 +17,7 @@ from deploy.bench.live_sweep import (
     FIGURES,
     GOODPUT_TOLERANCE,
     SPREAD_DRAWS,
+    StepLogs,
     clock_sensitivity,
     clock_tolerance,
     compare_load,
@@ -232,6 +233,26 @@ def test_the_forecast_spread_of_steps_without_error_is_the_forecast_and_errors_w
         low, high = noisy["goodput_band_req_s"][name]
         assert low <= noisy["goodput_median_req_s"][name] <= high
     assert any(high > low for low, high in noisy["goodput_band_req_s"].values())
+
+
+def test_a_step_log_name_kept_again_gets_a_numbered_file_and_overwrites_none(tmp_path):
+    from feather_gym.costmodel.refit import LiveStep, read_step_logs
+
+    def steps(first: int, count: int) -> list:
+        return [LiveStep(step=i, time_unix_s=float(i), step_wall_s=0.01 * i, step_cpu_s=0.005 * i, decode_requests=1,
+                         decode_kv_tokens=100 + i, decode_unique_kv_tokens=100 + i, decode_groups=1)
+                for i in range(first, first + count)]
+
+    logs = StepLogs(tmp_path / "steps")
+    rounds = {"load-0.9-fcfs": steps(1, 3), "calibration-online": steps(10, 2)}
+    again = steps(20, 4)
+    for name, kept in rounds.items():
+        logs.keep(name, kept)
+    assert logs.keep("load-0.9-fcfs", again) == str(tmp_path / "steps" / "load-0.9-fcfs-2.jsonl")
+    assert [p.rsplit("/", 1)[1] for p in logs.paths] == ["load-0.9-fcfs.jsonl", "calibration-online.jsonl",
+                                                          "load-0.9-fcfs-2.jsonl"]
+    for path, kept in zip(logs.paths, [*rounds.values(), again]):
+        assert read_step_logs([path]) == (kept, 0)
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -68,7 +68,7 @@ engine, each load's figures beside the simulator's on the same requests and arri
    The target (``meets_live_target``) stays the strict ranking.
 
 With ``timed_steps_dir``, every timed round's steps are kept there as step logs
-(:func:`~feather_gym.costmodel.refit.write_step_log`), one file each: ``calibration-all-at-once.jsonl``,
+(:class:`StepLogs`), one file each: ``calibration-all-at-once.jsonl``,
 ``calibration-online.jsonl`` and ``load-<load>-fcfs.jsonl`` (both rounds of vLLM's scheduler at
 that load; ``-2``, ``-3`` added for a load given again), listed in the report's
 ``timed_step_logs``. ``feather profile clock --from-logs`` fits the same clock on them (and says
@@ -283,6 +283,28 @@ def unsettled_pairs(live_sides: dict[str, dict]) -> list[list[str]] | None:
             if len({(x > y) - (x < y) for x, y in zip(per_round[a], per_round[b])}) > 1]
 
 
+class StepLogs:
+    """Timed rounds' steps kept in one folder (created), a step log each
+    (:func:`~feather_gym.costmodel.refit.write_step_log`): ``NAME.jsonl``, and ``NAME-2.jsonl``,
+    ``NAME-3.jsonl``... for a name kept again (a load given twice), so no round overwrites another.
+    ``paths``: every log kept, in order."""
+
+    def __init__(self, folder: str | os.PathLike) -> None:
+        os.makedirs(folder, exist_ok=True)
+        self.folder, self.paths, self._kept = folder, [], Counter()
+
+    def keep(self, name: str, steps: list) -> str:
+        """Write ``steps`` as the next log of ``name``; its path."""
+        from feather_gym.costmodel.refit import write_step_log
+
+        self._kept[name] += 1
+        nth = self._kept[name]
+        path = os.path.join(self.folder, f"{name}-{nth}.jsonl" if nth > 1 else f"{name}.jsonl")
+        write_step_log(path, steps)
+        self.paths.append(path)
+        return path
+
+
 def ranking_text(goodput: dict[str, float]) -> str:
     """Policies by goodput, best first: ``a > b = c``, ``=`` between neighbours within
     :data:`~deploy.bench.validate.RANKING_TIE` of each other (names as the table's column)."""
@@ -312,7 +334,6 @@ def live_sweep(workload: str = DEFAULT_WORKLOAD, *, label: str | None = None, lo
     from deploy.engine_rounds import kv_capacity, run_round
     from feather_gym.costmodel import hardware_profile, load_cost_model
     from feather_gym.costmodel.clock import clock_error, fit_clock, step_factors
-    from feather_gym.costmodel.refit import write_step_log
     from feather_gym.load import at_load, check_load, find_capacity
     from feather_gym.simulator import trace_digests
     from feather_gym.slo import DEFAULT_SLOS
@@ -329,19 +350,12 @@ def live_sweep(workload: str = DEFAULT_WORKLOAD, *, label: str | None = None, lo
     for name in names:                       # refuse a bad policy before the engine starts
         as_deployed(name)
     base = load_cost_model(profile or hardware_profile())
-    step_logs: list[str] = []
-    kept: Counter = Counter()
-    if timed_steps_dir is not None:
-        os.makedirs(timed_steps_dir, exist_ok=True)
+    step_logs = StepLogs(timed_steps_dir) if timed_steps_dir is not None else None
 
     def fitted(steps: list, name: str):
-        """The clock fitted on ``steps``, kept as ``name``.jsonl when steps are kept (``name-2``... for
-        a name already kept: a load given twice)."""
-        if timed_steps_dir is not None:
-            kept[name] += 1
-            step_logs.append(os.path.join(timed_steps_dir, f"{name}-{kept[name]}.jsonl" if kept[name] > 1
-                                          else f"{name}.jsonl"))
-            write_step_log(step_logs[-1], steps)
+        """The clock fitted on ``steps``, kept as the step log ``name`` when steps are kept."""
+        if step_logs is not None:
+            step_logs.keep(name, steps)
         return fit_clock(steps, base, clock="wall")
 
     slo = slo or DEFAULT_SLOS[base.device]
@@ -417,7 +431,7 @@ def live_sweep(workload: str = DEFAULT_WORKLOAD, *, label: str | None = None, lo
                                                     for entry in report["loads"])
     report["loads_same_ranking_where_orders_hold"] = sum(entry["forecast_spread"]["same_ranking_where_orders_hold"]
                                                          for entry in report["loads"])
-    report["timed_step_logs"] = step_logs
+    report["timed_step_logs"] = [] if step_logs is None else step_logs.paths
     report["load_average_1min_start"], report["load_average_1min_end"] = load_start, os.getloadavg()[0]
     report["wall_s"] = round(time.perf_counter() - started, 1)
     return report
