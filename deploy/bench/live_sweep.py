@@ -123,7 +123,7 @@ GOODPUT_TOLERANCE = 0.10
 #: The relative change of the clock at which the forecast's sensitivity to it is measured (module doc, step 6).
 CLOCK_STEP = 0.02
 #: Simulated draws of ``rounds`` rounds per load and policy with the steps' own errors (module doc, step 7).
-SPREAD_DRAWS = 40
+SPREAD_DRAWS = 100
 #: The percentiles of the draws' goodput that bound the forecast's band (module doc, step 7).
 SPREAD_PERCENTILES = (5, 95)
 #: The share of draws that must keep a forecast's order of two policies for it to hold (module doc, step 7).
