@@ -22,8 +22,9 @@ at every prompt page boundary a prefill passes (unless that page already has the
 ``anchor_pages`` pages (least recently used evicted), and a hit resumes at the deeper of the
 deepest kept state and the deepest anchored page within the attention match; vLLM's junction is
 recorded as if there were no anchors, as in the engine. Anchors live in host memory, not in
-the KV capacity, and their rebuild time (10-20 ms per hit live) is not simulated. Anchors are
-usable as soon as the prefill is scheduled (the engine stores them after the step's forward).
+the KV capacity, and their rebuild time is not simulated (the engine reports it as
+``feather:rebuild_seconds``). Anchors are usable as soon as the prefill is scheduled (the engine
+stores them after the step's forward).
 
 Bytes: a kept state occupies ``state_blocks`` KV blocks (vLLM pads a GDN state page to the
 attention page; one per GDN group). The simulator reserves ``max_states x state_blocks``
