@@ -18,6 +18,7 @@ COMMANDS = ("train", "export CHECKPOINT -o p.onnx", "bench serve --policies feat
             "hybrid build", "hybrid check", "replay eval")
 #: Old name -> new name: the hidden aliases kept for one release.
 ALIASES = {"serve bench --policy feather-rule": "bench serve --policies feather-rule",
+           "serve bench --load 1.1,0.9,0.7": "bench serve --loads 1.1,0.9,0.7",
            "serve hybrid-bench": "bench hybrid", "serve loop --run R --output OUT": "bench loop --run R -o OUT",
            "bench policy --policy p.onnx": "bench policy --policies p.onnx",
            "profile prefill --out p.json": "profile prefill -o p.json"}
