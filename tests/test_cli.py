@@ -16,7 +16,8 @@ COMMANDS = ("train", "export CHECKPOINT -o p.onnx", "bench serve --policies feat
             "profile analytic --gpu h100 -o p.json", "profile prefill -o p.json",
             "profile refit --from-logs L --profile cpu -o p.json", "placement eval --workload prefix-groups",
             "hybrid build", "hybrid check", "replay eval")
-#: Old name -> new name: the hidden aliases kept for one release.
+#: Old name -> new name: the hidden aliases kept for one release, and the `--load` spelling (argparse's
+#: prefix of `--loads`).
 ALIASES = {"serve bench --policy feather-rule": "bench serve --policies feather-rule",
            "serve bench --load 1.1,0.9,0.7": "bench serve --loads 1.1,0.9,0.7",
            "serve hybrid-bench": "bench hybrid", "serve loop --run R --output OUT": "bench loop --run R -o OUT",
